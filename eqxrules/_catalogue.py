@@ -1,0 +1,471 @@
+"""The one way a rule is declared, and the catalogue built from the declarations.
+
+A rule is an `eqx.Module` subclass of [`JVPRule`][] or [`VJPRule`][]. The subclass is
+the whole declaration:
+
+- its fields are the hyperparameters (static, validated in `__check_init__`) and any
+  wrapped sub-models (dynamic, so their parameters receive tangents);
+- `primal` computes the value, and `tangent` (for `JVPRule`) or `fwd`/`bwd` (for
+  `VJPRule`) the derivative. These are the only place the rule's maths lives;
+- class variables `summary`, `exact`, `elementwise` and `domain` describe it;
+- `reference_forward`, `reference_derivative` and `reference_vjp` are *independent*
+  references that the test suite and `python -m eqxrules` check the rule against.
+
+From that one class derive: `__call__`, which delegates to the module-level
+`eqx.filter_custom_jvp` function [`apply_jvp_rule`][] or `eqx.filter_custom_vjp`
+function [`apply_vjp_rule`][]; the functional form (declared with [`functional`][]);
+and the [`Entry`][] returned by [`catalogue`][]. Defining the subclass registers it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import core
+from jax._src.interpreters import ad as _ad
+from jaxtyping import Array, PRNGKeyArray
+
+_T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+REVERSE_ONLY_MESSAGE = "supports reverse mode only"
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """Where a rule's inputs are drawn from in tests.
+
+    **Arguments:**
+
+    - `low`, `high`: inputs are drawn uniformly from `[low, high]`.
+    - `kinks`: points where the rule's derivative is discontinuous. Finite differences
+        stay at least `margin` away from them; boundary checks evaluate exactly on them.
+    - `shape`: the shape of a test input.
+    - `margin`: the distance kept from each kink when sampling off kinks.
+    """
+
+    low: float = -2.0
+    high: float = 2.0
+    kinks: tuple[float, ...] = ()
+    shape: tuple[int, ...] = (4, 3)
+    margin: float = 0.05
+
+    def __post_init__(self):
+        if not self.low < self.high:
+            raise ValueError(
+                f"`Domain`: `low` (={self.low}) must be less than `high` "
+                f"(={self.high})."
+            )
+
+    def sample(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32, *, off_kinks: bool = True
+    ) -> Array:
+        """A random input of `self.shape`. With `off_kinks`, no element lies within
+        `margin` of a kink; otherwise every kink also appears exactly once (if the
+        input has room), so boundary behaviour is exercised."""
+        x = jax.random.uniform(
+            key, self.shape, jnp.float32, minval=self.low, maxval=self.high
+        )
+        x = np.asarray(x)
+        if off_kinks:
+            for k in self.kinks:
+                near = np.abs(x - k) < self.margin
+                x = np.where(near, k + np.where(x >= k, 1, -1) * self.margin * 2, x)
+        else:
+            flat = x.reshape(-1)
+            for i, k in enumerate(self.kinks[: flat.size]):
+                flat[i] = k
+            x = flat.reshape(self.shape)
+        return jnp.asarray(x, dtype=dtype)
+
+
+def _is_forward_mode_tracer(x: Any) -> bool:
+    # Walk a tracer's nesting (vmap, linearize, jit) looking for a JVP tracer: these
+    # appear under `jax.jvp`, `jacfwd` and `hessian`, never under reverse mode alone.
+    while isinstance(x, core.Tracer):
+        if isinstance(x, _ad.JVPTracer):
+            return True
+        if hasattr(x, "primal"):
+            x = x.primal
+        elif hasattr(x, "val"):
+            x = x.val
+        else:
+            return False
+    return False
+
+
+def partial_jvp(
+    fn: Callable[..., _T], primals: tuple[Any, ...], tangents: tuple[Any, ...]
+) -> _T | None:
+    """`jax.jvp` that respects symbolic zeros.
+
+    `tangents` mirrors `primals`, with `None` wherever the tangent is a symbolic zero
+    (as `eqx.filter_custom_jvp` passes them). Only the perturbed leaves are
+    differentiated, so no zero arrays are materialised, and a tangent is never dropped.
+    Returns `None` (a symbolic zero) when nothing is perturbed.
+    """
+    leaves, treedef = jtu.tree_flatten(primals)
+    t_leaves = treedef.flatten_up_to(_align_tangents(primals, tangents))
+    index = [
+        i
+        for i, (p, t) in enumerate(zip(leaves, t_leaves))
+        if t is not None and eqx.is_inexact_array(p)
+    ]
+    if not index:
+        return None
+
+    def restricted(*perturbed):
+        new = list(leaves)
+        for i, p in zip(index, perturbed):
+            new[i] = p
+        return fn(*jtu.tree_unflatten(treedef, new))
+
+    _, t_out = jax.jvp(
+        restricted,
+        tuple(leaves[i] for i in index),
+        tuple(t_leaves[i] for i in index),
+    )
+    return t_out
+
+
+def _align_tangents(primals: Any, tangents: Any) -> Any:
+    # `tangents` may hold `None` in place of a whole subtree (a Module whose
+    # parameters were not differentiated); expand those to `None` per leaf.
+    def expand(t, p):
+        return jtu.tree_map(lambda _: None, p) if t is None else t
+
+    return jtu.tree_map(expand, tangents, primals, is_leaf=lambda t: t is None)
+
+
+def _cast_like(t: Any, like: Any) -> Any:
+    if t is None or not eqx.is_inexact_array(like):
+        return t
+    return t.astype(like.dtype)
+
+
+def _match_dtypes(t_tree: Any, like_tree: Any) -> Any:
+    return jtu.tree_map(_cast_like, t_tree, like_tree, is_leaf=lambda t: t is None)
+
+
+class Rule(eqx.Module):
+    """Base class of every catalogue rule. Subclass [`JVPRule`][] or [`VJPRule`][].
+
+    Class variables a rule sets:
+
+    - `summary`: one line, shown in the catalogue table.
+    - `exact`: `True` if the rule's derivative is the true derivative of its value
+        (so finite differences apply).
+    - `elementwise`: `True` if the rule takes one floating-point array and rejects
+        integer and bool input with a `TypeError`.
+    - `domain`: a [`Domain`][] for test inputs.
+    """
+
+    summary: ClassVar[str] = ""
+    exact: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = True
+    forward_mode: ClassVar[bool] = True
+    domain: ClassVar[Domain] = Domain()
+    function: ClassVar[Callable[..., Any] | None] = None
+
+    def primal(self, *args: Any, **kwargs: Any) -> Any:
+        """The value of the rule."""
+        raise NotImplementedError
+
+    def reference_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """An independent reference for the value."""
+        raise NotImplementedError
+
+    def reference_derivative(self, *args: Any, **kwargs: Any) -> Any:
+        """A function whose ordinary autodiff derivative the rule's must equal."""
+        raise NotImplementedError
+
+    def reference_vjp(self, cotangent: Any, *args: Any, **kwargs: Any) -> Any:
+        """Reference cotangents for `(self, *args)`, for rules whose backward is not
+        linear in the cotangent (so no `reference_derivative` can express it)."""
+        raise NotImplementedError
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[Rule]:
+        """Instances, with representative hyperparameters, that the catalogue checks."""
+        return [cls()]
+
+    def call_kwargs(self, key: PRNGKeyArray) -> dict[str, Any]:
+        """Keyword arguments the checks pass on each call (a PRNG key, say)."""
+        return {}
+
+    def is_exact(self) -> bool:
+        """Whether this instance's derivative is the true one. Defaults to `exact`;
+        a rule whose hyperparameters change that (a `mode`, say) overrides it."""
+        return self.exact
+
+    @classmethod
+    def rule_name(cls) -> str:
+        fn = cls.function
+        return fn.__name__ if fn is not None else cls.__name__
+
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        if self.elementwise:
+            if len(args) != 1:
+                raise TypeError(
+                    f"`{self.rule_name()}` takes one array argument, got {len(args)}."
+                )
+            x = args[0]
+            dtype = jnp.result_type(x)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                raise TypeError(
+                    f"`{self.rule_name()}` expects a floating-point array for `x`, "
+                    f"got dtype {dtype}. Cast it first, e.g. `x.astype(jnp.float32)`."
+                )
+
+
+class JVPRule(Rule):
+    """A rule with a custom JVP (`eqx.filter_custom_jvp`): forward and reverse mode.
+
+    Subclasses define `primal(*args, **kwargs)` and
+    `tangent(args, t_args, t_self, out, **kwargs)`. The tangents are `None` where they
+    are symbolic zeros; `tangent` must be linear in them and may return `None` for a
+    zero output tangent. `t_self` holds the tangents of the Module's own array fields
+    (a wrapped sub-model's parameters, say).
+    """
+
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
+        self._check_call(args)
+        return apply_jvp_rule(self, *args, **kwargs)
+
+
+class VJPRule(Rule):
+    """A rule with a custom VJP (`eqx.filter_custom_vjp`): reverse mode only.
+
+    For rules whose backward pass is not linear in the cotangent, or that must choose
+    what is saved. Subclasses define `primal`, `bwd`, and optionally `fwd` (which by
+    default saves nothing). Under `jax.jvp`, `jacfwd` or `hessian` the rule raises a
+    `TypeError` that names it.
+    """
+
+    forward_mode: ClassVar[bool] = False
+
+    def fwd(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """The value and the residuals saved for `bwd`."""
+        return self.primal(*args, **kwargs), None
+
+    def bwd(
+        self, residuals: Any, cotangent: Any, args: tuple[Any, ...], **kwargs: Any
+    ) -> tuple[Any, ...]:
+        """Cotangents for `args`, one per argument (`None` for a zero one)."""
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
+        self._check_call(args)
+        if any(_is_forward_mode_tracer(x) for x in jtu.tree_leaves((self, args))):
+            raise TypeError(
+                f"`{self.rule_name()}` {REVERSE_ONLY_MESSAGE}: its backward pass is "
+                "not linear in the cotangent, so it has no JVP. Use `jax.grad`, "
+                "`jax.vjp` or `jax.jacrev` instead of `jax.jvp`, `jax.jacfwd`, "
+                "`jax.hessian` or `jax.linearize`."
+            )
+        return apply_vjp_rule((self, args), **kwargs)
+
+
+@eqx.filter_custom_jvp
+def apply_jvp_rule(rule: JVPRule, *args: Any, **kwargs: Any) -> Any:
+    """The module-level `eqx.filter_custom_jvp` function every `JVPRule` calls."""
+    return rule.primal(*args, **kwargs)
+
+
+@apply_jvp_rule.def_jvp
+def _apply_jvp_rule_jvp(primals, tangents, **kwargs):
+    rule, *args = primals
+    t_rule, *t_args = tangents
+    out = rule.primal(*args, **kwargs)
+    t_out = rule.tangent(tuple(args), tuple(t_args), t_rule, out, **kwargs)
+    return out, _match_dtypes(t_out, out)
+
+
+@eqx.filter_custom_vjp
+def apply_vjp_rule(rule_and_args: tuple[VJPRule, tuple[Any, ...]], **kwargs: Any):
+    """The module-level `eqx.filter_custom_vjp` function every `VJPRule` calls."""
+    rule, args = rule_and_args
+    return rule.primal(*args, **kwargs)
+
+
+@apply_vjp_rule.def_fwd
+def _apply_vjp_rule_fwd(perturbed, rule_and_args, **kwargs):
+    del perturbed
+    rule, args = rule_and_args
+    return rule.fwd(*args, **kwargs)
+
+
+@apply_vjp_rule.def_bwd
+def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs):
+    rule, args = rule_and_args
+    _, perturbed_args = perturbed
+    ct_args = rule.bwd(residuals, cotangent, args, **kwargs)
+    # JAX lets a bfloat16 primal receive a float32 cotangent; we do not.
+    ct_args = _match_dtypes(tuple(ct_args), args)
+    ct_args = jtu.tree_map(
+        lambda ct, p: ct if p else None,
+        ct_args,
+        perturbed_args,
+        is_leaf=lambda t: t is None,
+    )
+    return jtu.tree_map(lambda _: None, rule), ct_args
+
+
+_REGISTRY: list[type[Rule]] = []
+
+
+def functional(rule: type[Rule]) -> Callable[[_F], _F]:
+    """Declare `fn` as the functional form of `rule`: it must do nothing but build the
+    Module and call it. Registers `rule` in the catalogue."""
+
+    def decorator(fn: _F) -> _F:
+        if rule.function is not None:
+            raise ValueError(
+                f"`{rule.__name__}` already has a functional form "
+                f"`{rule.function.__name__}`."
+            )
+        rule.function = fn
+        _REGISTRY.append(rule)
+        return fn
+
+    return decorator
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One catalogue entry: everything the tests, the CLI and the docs need to know.
+
+    **Fields:**
+
+    - `name`: the functional form's name, e.g. `"ste_sign"`.
+    - `module`: the `eqx.Module` class, e.g. `SteSign`.
+    - `function`: the functional form.
+    - `summary`: one line.
+    - `forward_mode`: whether `jax.jvp` is supported.
+    - `exact`: whether the derivative is the true one (finite differences apply).
+    - `elementwise`: whether it takes one floating-point array.
+    - `domain`: the [`Domain`][] of test inputs.
+    - `reference_vjp`: whether the derivative is checked against `reference_vjp`
+        (backward not linear in the cotangent) rather than `reference_derivative`.
+    """
+
+    name: str
+    module: type[Rule]
+    function: Callable[..., Any]
+    summary: str
+    forward_mode: bool
+    exact: bool
+    elementwise: bool
+    domain: Domain
+    reference_vjp: bool
+
+    def examples(self, key: PRNGKeyArray) -> Sequence[Rule]:
+        return self.module.examples(key)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("fwd", "rev") if self.forward_mode else ("rev",)
+
+    def check_arguments(
+        self, rule: Rule, x: Any, key: PRNGKeyArray
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """`(fn, args, references)` for `eqxrules.testing.check_rule(fn, *args,
+        **references)` on one example `rule` and input `x`. The Module itself is an
+        argument, so the parameters of a wrapped sub-model are checked too."""
+        kwargs = rule.call_kwargs(key)
+
+        def fn(m, x):
+            return m(x, **kwargs)
+
+        def forward(m, x):
+            return m.reference_forward(x, **kwargs)
+
+        def derivative(m, x):
+            return m.reference_derivative(x, **kwargs)
+
+        def reference_vjp(ct, m, x):
+            return m.reference_vjp(ct, x, **kwargs)
+
+        references: dict[str, Any] = dict(forward=forward)
+        if self.reference_vjp:
+            references["reference_vjp"] = reference_vjp
+        else:
+            references["derivative"] = derivative
+        return fn, (rule, x), references
+
+
+def _entry(rule: type[Rule]) -> Entry:
+    assert rule.function is not None
+    return Entry(
+        name=rule.function.__name__,
+        module=rule,
+        function=rule.function,
+        summary=rule.summary,
+        forward_mode=rule.forward_mode,
+        exact=rule.exact,
+        elementwise=rule.elementwise,
+        domain=rule.domain,
+        reference_vjp=rule.reference_vjp is not Rule.reference_vjp,
+    )
+
+
+@ft.cache
+def _load_rules() -> None:
+    from . import _rules  # noqa: F401  (importing declares every rule)
+
+
+def catalogue() -> tuple[Entry, ...]:
+    """Every rule eqxrules ships, in declaration order.
+
+    **Returns:**
+
+    A tuple of [`Entry`][] objects.
+    """
+    _load_rules()
+    return tuple(_entry(r) for r in _REGISTRY)
+
+
+def validate_positive(rule: str, name: str, value: Any, *, allow_zero: bool) -> None:
+    """Raise a `ValueError` naming `rule`, `name` and `value` unless `value` is
+    finite and positive (or zero, with `allow_zero`)."""
+    if isinstance(value, core.Tracer):
+        return
+    v = np.asarray(value)
+    ok = np.all(np.isfinite(v)) and (np.all(v >= 0) if allow_zero else np.all(v > 0))
+    if not ok:
+        what = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"`{rule}`: `{name}` (={value!r}) must be finite and {what}.")
+
+
+__all__ = [
+    "Domain",
+    "Entry",
+    "JVPRule",
+    "Rule",
+    "VJPRule",
+    "apply_jvp_rule",
+    "apply_vjp_rule",
+    "catalogue",
+    "functional",
+    "partial_jvp",
+]

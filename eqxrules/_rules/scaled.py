@@ -1,0 +1,171 @@
+"""ScaledModel: call a sub-model on `x / scale`, with a choice of derivative."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree
+
+from .._catalogue import Domain, JVPRule, functional, partial_jvp
+
+Mode = Literal["exact", "skip_scale", "stop_input"]
+_MODES = ("exact", "skip_scale", "stop_input")
+
+
+def _sin_and_square(u: Array) -> dict[str, Array]:
+    # A plain function with a pytree output, to check that both are supported.
+    return {"sin": jnp.sin(u), "square": u**2}
+
+
+class ScaledModel(JVPRule):
+    r"""Calls `sub_model(x / scale)`, with a choice of derivative.
+
+    With $u = x / s$ and $J_\theta$, $J_u$ the sub-model's Jacobians with respect to
+    its parameters $\theta$ and its input, the tangent for tangents
+    $(\dot\theta, \dot x, \dot s)$ is
+
+    | `mode` | tangent |
+    |---|---|
+    | `"exact"` | $J_\theta \dot\theta + J_u (\dot x / s - x \dot s / s^2)$ (plain autodiff) |
+    | `"skip_scale"` | $J_\theta \dot\theta + J_u \dot x$ (the gradient is with respect to $u$) |
+    | `"stop_input"` | $J_\theta \dot\theta$ |
+
+    Parameters always get their true derivatives, whether or not `x` is
+    differentiated: symbolic-zero tangents are respected, never dropped. (The
+    textbook rule reads only the tangent of `x`; it crashes when `x` is not
+    differentiated and silently zeroes the parameter gradient when it is.)
+
+    **Arguments:**
+
+    - `sub_model`: any callable pytree: an `eqx.Module`, `eqx.nn.MLP`, or a plain
+        function. Its output may be a pytree of arrays.
+    - `scale`: a Python number or an array broadcastable to `x`. Zero, NaN and
+        infinite values are rejected when concrete.
+    - `mode`: `"exact"`, `"skip_scale"` or `"stop_input"`.
+
+    !!! Example
+
+        ```python
+        mlp = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+        model = eqxrules.ScaledModel(mlp, 4.0, mode="skip_scale")
+        grads = eqx.filter_grad(lambda m, x: m(x).sum())(model, jnp.ones(3))
+        ```
+    """
+
+    sub_model: Callable[..., PyTree[Array]]
+    scale: float | Array
+    mode: Mode = eqx.field(static=True, default="exact")
+
+    summary: ClassVar[str] = (
+        "`sub_model(x / scale)`; `mode` picks the derivative: exact, skip_scale or "
+        "stop_input"
+    )
+    exact: ClassVar[bool] = True
+    elementwise: ClassVar[bool] = False
+    domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, shape=(3,))
+
+    def __check_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(
+                f"`ScaledModel`: `mode` (={self.mode!r}) must be one of {_MODES}."
+            )
+        if not callable(self.sub_model):
+            raise TypeError(
+                f"`ScaledModel`: `sub_model` (={self.sub_model!r}) must be callable."
+            )
+        if isinstance(self.scale, bool) or not isinstance(
+            self.scale, (int, float, np.ndarray, jax.Array, np.generic)
+        ):
+            raise TypeError(
+                f"`ScaledModel`: `scale` (={self.scale!r}) must be a Python number or "
+                "an array."
+            )
+        if not isinstance(self.scale, core.Tracer):
+            s = np.asarray(self.scale)
+            if not jnp.issubdtype(s.dtype, jnp.number):
+                raise TypeError(
+                    f"`ScaledModel`: `scale` (={self.scale!r}) must be numeric."
+                )
+            if np.any(s == 0) or not np.all(np.isfinite(s)):
+                raise ValueError(
+                    f"`ScaledModel`: `scale` (={self.scale!r}) must be finite and "
+                    "non-zero everywhere."
+                )
+
+    def is_exact(self) -> bool:
+        return self.mode == "exact"
+
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        if len(args) != 1:
+            raise TypeError(f"`ScaledModel` takes one input `x`, got {len(args)}.")
+        x_shape = jnp.shape(args[0])
+        s_shape = jnp.shape(self.scale)
+        try:
+            ok = jnp.broadcast_shapes(x_shape, s_shape) == x_shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"`ScaledModel`: `scale` of shape {s_shape} must broadcast to `x` of "
+                f"shape {x_shape}."
+            )
+
+    def primal(self, x: Array) -> PyTree[Array]:
+        return self.sub_model(x / self.scale)
+
+    def tangent(self, args, t_args, t_self, out):
+        (x,) = args
+        (t_x,) = t_args
+        t_sub = None if t_self is None else t_self.sub_model
+        if self.mode == "exact":
+            t_scale = None if t_self is None else t_self.scale
+            return partial_jvp(
+                lambda sub, scale, x: sub(x / scale),
+                (self.sub_model, self.scale, x),
+                (t_sub, t_scale, t_x),
+            )
+        u = x / self.scale
+        if self.mode == "skip_scale":
+            return partial_jvp(lambda sub, u: sub(u), (self.sub_model, u), (t_sub, t_x))
+        return partial_jvp(lambda sub: sub(u), (self.sub_model,), (t_sub,))
+
+    def reference_forward(self, x: Array) -> PyTree[Array]:
+        return self.sub_model(x / self.scale)
+
+    def reference_derivative(self, x: Array) -> PyTree[Array]:
+        sg = jax.lax.stop_gradient
+        if self.mode == "exact":
+            return self.sub_model(x / self.scale)
+        if self.mode == "skip_scale":
+            # Value at exactly x / scale; derivative in x the identity.
+            return self.sub_model(sg(x / self.scale) + (x - sg(x)))
+        return self.sub_model(sg(x / self.scale))
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[ScaledModel]:
+        k1, k2 = jax.random.split(key)
+        mlp = eqx.nn.MLP(3, 2, 5, 2, activation=jnp.tanh, key=k1)
+        linear = eqx.nn.Linear(3, 2, key=k2)
+        return [
+            *(cls(mlp, 2.0, mode=m) for m in _MODES),
+            cls(linear, jnp.array([0.5, 2.0, -1.5]), mode="exact"),
+            cls(_sin_and_square, 3.0, mode="skip_scale"),
+        ]
+
+
+@functional(ScaledModel)
+def scaled_call(
+    sub_model: Callable[..., PyTree[Array]],
+    x: ArrayLike,
+    scale: float | Array,
+    mode: Mode = "exact",
+) -> PyTree[Array]:
+    """Functional form of [`ScaledModel`][]: `ScaledModel(sub_model, scale,
+    mode=mode)(x)`, i.e. `sub_model(x / scale)` with the derivative `mode` picks."""
+    return ScaledModel(sub_model, scale, mode=mode)(x)

@@ -1,0 +1,104 @@
+"""Hypothesis strategies for checking rules: arrays in a domain (off its kinks),
+pytrees of arrays, and small `eqx.nn.MLP`s.
+
+Needs the `test` extra (`hypothesis`)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+
+class DomainLike(Protocol):
+    """Anything with `low`, `high`, `kinks`, `shape` and `margin`, such as
+    `eqxrules.Domain`."""
+
+    low: float
+    high: float
+    kinks: tuple[float, ...]
+    shape: tuple[int, ...]
+    margin: float
+
+
+def _off_kinks(x: np.ndarray, kinks: tuple[float, ...], margin: float) -> np.ndarray:
+    for k in kinks:
+        near = np.abs(x - k) < margin
+        x = np.where(near, k + np.where(x >= k, 2, -2) * margin, x)
+    return x
+
+
+@st.composite
+def arrays(
+    draw: st.DrawFn,
+    domain: DomainLike,
+    *,
+    dtype: Any = jnp.float32,
+    shape: tuple[int, ...] | None = None,
+    off_kinks: bool = True,
+    with_kinks: bool = False,
+) -> jax.Array:
+    """Arrays with elements in `[domain.low, domain.high]`.
+
+    - `off_kinks`: keep every element at least `domain.margin` from every kink (for
+        finite differences).
+    - `with_kinks`: then overwrite leading elements with the kinks themselves, so
+        boundary behaviour is exercised.
+    """
+    shape = domain.shape if shape is None else shape
+    size = int(np.prod(shape))
+    values = draw(
+        st.lists(
+            st.floats(
+                domain.low, domain.high, allow_nan=False, allow_infinity=False, width=32
+            ),
+            min_size=size,
+            max_size=size,
+        )
+    )
+    x = np.asarray(values, np.float32).reshape(shape)
+    if off_kinks:
+        x = _off_kinks(x, domain.kinks, domain.margin)
+    if with_kinks:
+        flat = x.reshape(-1)
+        for i, k in enumerate(domain.kinks[:size]):
+            flat[i] = k
+        x = flat.reshape(shape)
+    return jnp.asarray(x, dtype)
+
+
+@st.composite
+def pytrees(
+    draw: st.DrawFn, domain: DomainLike, *, dtype: Any = jnp.float32
+) -> dict[str, Any]:
+    """A small dict-and-tuple pytree of arrays drawn with [`arrays`][], plus a string
+    and an int leaf that rules must pass through untouched."""
+    a = draw(arrays(domain, dtype=dtype))
+    b = draw(arrays(domain, dtype=dtype, shape=(2,)))
+    c = draw(arrays(domain, dtype=dtype, shape=()))
+    return {"a": a, "nested": (b, {"c": c}), "name": "leaf", "count": 3}
+
+
+@st.composite
+def mlps(
+    draw: st.DrawFn,
+    *,
+    in_size: int | None = None,
+    max_width: int = 8,
+    max_depth: int = 3,
+    activation: Any = jnp.tanh,
+) -> eqx.nn.MLP:
+    """A small `eqx.nn.MLP` with random sizes and weights (smooth `tanh` activation
+    by default, so finite differences apply)."""
+    in_size = draw(st.integers(1, 5)) if in_size is None else in_size
+    out_size = draw(st.integers(1, 4))
+    width = draw(st.integers(1, max_width))
+    depth = draw(st.integers(0, max_depth))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return eqx.nn.MLP(
+        in_size, out_size, width, depth, activation=activation, key=jax.random.key(seed)
+    )
