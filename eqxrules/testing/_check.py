@@ -175,6 +175,7 @@ def _compare(
     atol: float | None,
     scale: Any = None,
     check_dtype: bool = True,
+    floor: str | None = None,
 ) -> dict[str, Any]:
     """Fail (raise `_Failure`) unless every leaf agrees. Returns the figures."""
     a_leaves, a_def = jtu.tree_flatten_with_path(actual, is_leaf=_is_none)
@@ -212,6 +213,9 @@ def _compare(
         if jnp.result_type(e) == jax.dtypes.float0:
             continue
         r, t = _tolerance(_dtype_name(e), rtol, atol)
+        if floor is not None:
+            fr, ft_ = _tolerance(floor, rtol, atol)
+            r, t = max(r, fr), max(t, ft_)
         an = np.asarray(jnp.asarray(a, jnp.float64 if _x64() else jnp.float32))
         en = np.asarray(jnp.asarray(e, an.dtype))
         sn = np.abs(en) if s is None else np.asarray(s, an.dtype)
@@ -378,8 +382,16 @@ class _Problem:
         return self.vjp_jit(self.diff, self.ct)
 
     def compare(self, actual, expected, prefix, **kw) -> dict[str, Any]:
+        # Tolerances follow the least precise dtype among the inputs and outputs: a
+        # bfloat16 rule is only as exact as bfloat16, whatever its cotangents' dtype.
         return _compare(
-            actual, expected, prefix=prefix, rtol=self.rtol, atol=self.atol, **kw
+            actual,
+            expected,
+            prefix=prefix,
+            rtol=self.rtol,
+            atol=self.atol,
+            floor=_lowest_precision(self.diff, self.out),
+            **kw,
         )
 
 
