@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import eqxrules
-from eqxrules.testing import check_rule, strategies
+from eqxrules._verify import verify
+from eqxrules.testing import strategies
 
 KEY = jax.random.key(0)
 ENTRIES = eqxrules.catalogue()
@@ -48,24 +49,19 @@ def test_catalogue_is_not_empty_and_names_are_unique():
         assert getattr(eqxrules, e.module.__name__) is e.module
 
 
-@pytest.mark.parametrize("entry,index", CASES)
-def test_entry_passes_check_rule(entry, index):
-    """The whole battery of `check_rule`, at a point that includes the kinks (so the
-    boundary behaviour is compared with the reference), plus finite differences off
-    the kinks for exact rules."""
-    rule = _example(entry, index)
-    on_kinks = entry.domain.sample(jax.random.key(1), off_kinks=False)
-    fn, args, refs = entry.check_arguments(rule, on_kinks, jax.random.key(2))
-    report = check_rule(fn, *args, **refs, finite_differences=False)
-    assert report.forward_mode == entry.forward_mode
-    expected = "passed" if entry.forward_mode else "unsupported"
-    assert report["jvp"].status == expected
-    assert report["vjp"].status == "passed"
-    if rule.is_exact():
-        off_kinks = entry.domain.sample(jax.random.key(3), off_kinks=True)
-        fn, args, refs = entry.check_arguments(rule, off_kinks, jax.random.key(2))
-        report = check_rule(fn, *args, **refs, finite_differences=True)
-        assert report["finite_differences"].status == "passed"
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_entry_passes_check_rule(entry):
+    """The whole battery of `check_rule` on every example, at a point that includes
+    the kinks (so boundary behaviour is compared with the reference), plus finite
+    differences off the kinks for exact examples: what `python -m eqxrules` runs."""
+    result = verify(entry)
+    assert result.passed, "\n".join(result.failures())
+    for report in result.reports:
+        expected = "passed" if entry.forward_mode else "unsupported"
+        assert report["jvp"].status == expected
+        assert report["vjp"].status == "passed"
+    if any(rule.is_exact() for rule in entry.examples(KEY)):
+        assert result.status("finite_differences") == "passed"
 
 
 @ft.cache

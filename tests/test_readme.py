@@ -1,0 +1,35 @@
+"""The README's generated tables cannot drift from the code."""
+
+import pathlib
+import re
+
+from eqxrules import _cli
+from eqxrules.testing import check_rule
+
+README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def _between(name: str) -> str:
+    match = re.search(f"<!-- {name}:begin -->\n(.*?)<!-- {name}:end -->", README, re.S)
+    assert match, f"README has no {name} markers"
+    return match.group(1).strip()
+
+
+def test_catalogue_table_matches_catalogue():
+    """Regenerate with `python -m eqxrules list --markdown`."""
+    assert _between("catalogue") == _cli.catalogue_markdown()
+
+
+def test_checks_table_matches_check_rule_docstring():
+    doc = check_rule.__doc__ or ""
+    rows = [line.strip() for line in doc.splitlines() if line.strip().startswith("|")]
+    assert rows
+    assert _between("checks") == "\n".join(rows)
+
+
+def test_quick_start_has_exactly_two_commands():
+    quick = README.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```")[0]
+    commands = [line for line in quick.splitlines() if line.strip()]
+    assert len(commands) == 2
+    assert "python -m eqxrules" in commands[0]
+    assert "pytest" in commands[1] and "[test]" in commands[1]
