@@ -74,7 +74,7 @@ class Domain:
         x = jax.random.uniform(
             key, self.shape, jnp.float32, minval=self.low, maxval=self.high
         )
-        x = np.asarray(x)
+        x = np.array(x)  # a writable copy
         if off_kinks:
             for k in self.kinks:
                 near = np.abs(x - k) < self.margin
@@ -166,6 +166,11 @@ class Rule(eqx.Module):
     - `elementwise`: `True` if the rule takes one floating-point array and rejects
         integer and bool input with a `TypeError`.
     - `domain`: a [`Domain`][] for test inputs.
+    - `pytree_input`: `True` if `x` may be any pytree: floating-point leaves are
+        transformed, every other leaf (integer and bool arrays, strings, Python
+        numbers, `None`) comes back unchanged with no gradient, and the output has
+        `x`'s structure. The test matrix (`tests/test_matrix.py`) then feeds it
+        pytrees and integer arrays.
     """
 
     summary: ClassVar[str] = ""
@@ -173,6 +178,7 @@ class Rule(eqx.Module):
     elementwise: ClassVar[bool] = True
     forward_mode: ClassVar[bool] = True
     domain: ClassVar[Domain] = Domain()
+    pytree_input: ClassVar[bool] = False
     function: ClassVar[Callable[..., Any] | None] = None
 
     def primal(self, *args: Any, **kwargs: Any) -> Any:
@@ -205,6 +211,15 @@ class Rule(eqx.Module):
         """Whether this instance's derivative is the true one. Defaults to `exact`;
         a rule whose hyperparameters change that (a `mode`, say) overrides it."""
         return self.exact
+
+    def higher_order(self) -> bool:
+        """Whether derivatives of every order (`grad∘grad`, `hessian`, ...) are those
+        of plain autodiff through `reference_derivative` (or `reference_forward`,
+        for a rule with `reference_vjp`), also for losses that are not linear in the
+        output. Defaults to `is_exact()`. A rule that is not exact but declares its
+        higher derivatives (a stop-gradient whose `primal` blocks them too, say)
+        overrides it, and the test matrix then checks the claim."""
+        return self.is_exact()
 
     @classmethod
     def rule_name(cls) -> str:
@@ -296,9 +311,14 @@ def apply_jvp_rule(rule: JVPRule, *args: Any, **kwargs: Any) -> Any:
 def _apply_jvp_rule_jvp(primals, tangents, **kwargs):
     rule, *args = primals
     t_rule, *t_args = tangents
-    out = rule.primal(*args, **kwargs)
+    # The value through the custom function itself, not `rule.primal`: a derivative
+    # of this JVP (second order) then goes through the rule again, instead of
+    # differentiating `primal` with plain autodiff.
+    out = apply_jvp_rule(rule, *args, **kwargs)
     t_out = rule.tangent(tuple(args), tuple(t_args), t_rule, out, **kwargs)
-    return out, _match_dtypes(t_out, out)
+    # A `None` may stand for a whole zero subtree of a pytree output; Equinox wants
+    # one per leaf.
+    return out, _match_dtypes(_align_tangents(out, t_out), out)
 
 
 @eqx.filter_custom_vjp

@@ -119,7 +119,7 @@ class ScaledModel(JVPRule):
     def primal(self, x: Array) -> PyTree[Array]:
         return self.sub_model(x / self.scale)
 
-    def tangent(self, args, t_args, t_self, out):
+    def tangent(self, args, t_args, t_self, out, **kwargs):
         (x,) = args
         (t_x,) = t_args
         t_sub = None if t_self is None else t_self.sub_model
