@@ -1,0 +1,406 @@
+"""Stop-gradient preprocessors: the value is computed as usual, the derivative is
+blocked (all of it, or with respect to some inputs only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from .._catalogue import Domain, JVPRule, functional, partial_jvp, validate_positive
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _no_tangent(out: PyTree) -> PyTree:
+    """A symbolic-zero tangent for every leaf of `out` (a bare `None` is only
+    accepted for a single-array output)."""
+    return jtu.tree_map(lambda _: None, out)
+
+
+def _frozen(tree: PyTree) -> PyTree:
+    """`tree` with `lax.stop_gradient` on its floating-point arrays.
+
+    The primal of a rule is also differentiated with ordinary autodiff when the rule
+    is differentiated twice (JAX differentiates the JVP rule, which evaluates
+    `primal`). Freezing inside `primal` makes those higher derivatives agree with the
+    plain `stop_gradient` composition instead of silently reviving the blocked path.
+    """
+    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
+    return eqx.combine(jax.lax.stop_gradient(dynamic), static)
+
+
+def _map_tangent(f: Callable[[Array, Array], Array], x: PyTree, t_x: PyTree) -> PyTree:
+    """`f(leaf, tangent)` for every leaf of `x` with a tangent; `None` elsewhere."""
+    if t_x is None:
+        return _no_tangent(x)
+    return jtu.tree_map(
+        lambda t, leaf: None if t is None else f(leaf, t), t_x, x, is_leaf=_is_none
+    )
+
+
+class PytreeRule(JVPRule):
+    """Base of the rules that map a pytree `x` to a pytree of the same structure.
+
+    `eqx.filter_custom_jvp` needs its outputs to be JAX types, so the non-array
+    leaves of `x` (strings, Python numbers, `None`) are split off before the custom
+    JVP and put back, untouched, after it. Integer and bool arrays go through it and
+    get no tangent.
+    """
+
+    elementwise: ClassVar[bool] = False
+    pytree_input: ClassVar[bool] = True
+
+    def __call__(self, x: PyTree, **kwargs: Any) -> PyTree:
+        if isinstance(x, float):
+            x = jnp.asarray(x)
+        arrays, other = eqx.partition(x, eqx.is_array)
+        return eqx.combine(super().__call__(arrays, **kwargs), other)
+
+
+class _WrapperRule(JVPRule):
+    """Base of the rules that call a wrapped callable on `x`.
+
+    The callable's output may hold non-array leaves; those are found by tracing it
+    abstractly (`eqx.filter_eval_shape`), kept out of the custom JVP (whose outputs
+    must be JAX types) and put back after it.
+    """
+
+    elementwise: ClassVar[bool] = False
+
+    def _wrapped(self) -> Callable[..., PyTree]:
+        raise NotImplementedError
+
+    def __call__(self, x: PyTree, **kwargs: Any) -> PyTree:
+        if isinstance(x, float):
+            x = jnp.asarray(x)
+        shapes = eqx.filter_eval_shape(lambda f, x: f(x), self._wrapped(), x)
+        other = eqx.filter(shapes, lambda s: isinstance(s, jax.ShapeDtypeStruct), True)
+        return eqx.combine(super().__call__(x, **kwargs), other)
+
+
+def _check_callable(rule: str, name: str, value: Any) -> None:
+    if not callable(value):
+        raise TypeError(f"`{rule}`: `{name}` (={value!r}) must be callable.")
+
+
+def _mlp_examples(cls: Any, key: PRNGKeyArray) -> list[Any]:
+    return [cls(eqx.nn.MLP(3, 2, 5, 2, activation=jnp.tanh, key=key))]
+
+
+class StopGradient(_WrapperRule):
+    r"""Calls `fn(x)` as a frozen preprocessor: nothing is differentiated through it.
+
+    With $\theta$ the parameters (floating-point arrays) of `fn`,
+
+    $$y = f_\theta(x), \qquad \dot y = 0$$
+
+    for every tangent $(\dot\theta, \dot x)$: the derivative is zero with respect to
+    `x` and with respect to every parameter of `fn`. Derivatives of any order are
+    those of `jax.lax.stop_gradient(fn(x))`.
+
+    `exact` is `False`: the derivative is deliberately not the derivative of the
+    value (finite differences of `fn(x)` are not zero).
+
+    **Arguments:**
+
+    - `fn`: any callable pytree: an `eqx.Module`, `eqx.nn.MLP`, or a plain function.
+        Its input and output may be any pytrees; non-array output leaves are passed
+        through.
+
+    !!! Example
+
+        ```python
+        encoder = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+        features = eqxrules.StopGradient(encoder)(x)  # no gradient reaches encoder or x
+        ```
+    """
+
+    fn: Callable[..., PyTree]
+
+    summary: ClassVar[str] = (
+        "`fn(x)` with zero derivative in `x` and in `fn`'s parameters"
+    )
+    exact: ClassVar[bool] = False
+    domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, shape=(3,))
+
+    def __check_init__(self):
+        _check_callable(self.rule_name(), "fn", self.fn)
+
+    def _wrapped(self) -> Callable[..., PyTree]:
+        return self.fn
+
+    def higher_order(self) -> bool:
+        # `primal` blocks the same paths as `tangent`, so every order agrees.
+        return True
+
+    def primal(self, x: PyTree) -> PyTree:
+        fn, x = _frozen((self.fn, x))
+        return eqx.filter(fn(x), eqx.is_array)
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        return _no_tangent(out)
+
+    def reference_forward(self, x: PyTree) -> PyTree:
+        return self.fn(x)
+
+    def reference_derivative(self, x: PyTree) -> PyTree:
+        return jax.lax.stop_gradient(self.fn(x))
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[StopGradient]:
+        return _mlp_examples(cls, key)
+
+
+@functional(StopGradient)
+def stop_gradient_call(fn: Callable[..., PyTree], x: PyTree) -> PyTree:
+    """Functional form of [`StopGradient`][]: `StopGradient(fn)(x)`, i.e. `fn(x)` with
+    zero derivative with respect to `x` and to every parameter of `fn`."""
+    return StopGradient(fn)(x)
+
+
+class Frozen(_WrapperRule):
+    r"""Calls `module(x)` as a frozen encoder: its parameters get no gradient, but the
+    derivative still flows with respect to `x`.
+
+    With $\theta$ the parameters of `module` and $J_x$ its Jacobian with respect to
+    its input,
+
+    $$y = m_\theta(x), \qquad \dot y = J_x \dot x \quad (\text{whatever } \dot\theta).$$
+
+    This holds in forward and reverse mode. Derivatives of any order are those of
+    `module` with `jax.lax.stop_gradient` on its parameters: second derivatives in
+    `x` are the true ones, and every derivative involving $\theta$ is zero.
+
+    `exact` is `False`: the derivative with respect to the parameters is
+    deliberately zero, not the true one.
+
+    **Arguments:**
+
+    - `module`: any callable pytree, typically an `eqx.Module`. Its input and output
+        may be any pytrees; non-array output leaves are passed through.
+
+    !!! Example
+
+        ```python
+        encoder = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+        frozen = eqxrules.Frozen(encoder)
+        dx = jax.grad(lambda x: frozen(x).sum())(x)  # flows through the encoder
+        ```
+    """
+
+    module: Callable[..., PyTree]
+
+    summary: ClassVar[str] = (
+        "`module(x)` with zero derivative in its parameters; flows in `x`"
+    )
+    exact: ClassVar[bool] = False
+    domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, shape=(3,))
+
+    def __check_init__(self):
+        _check_callable(self.rule_name(), "module", self.module)
+
+    def _wrapped(self) -> Callable[..., PyTree]:
+        return self.module
+
+    def higher_order(self) -> bool:
+        # `primal` blocks the same paths as `tangent`, so every order agrees.
+        return True
+
+    def primal(self, x: PyTree) -> PyTree:
+        return eqx.filter(_frozen(self.module)(x), eqx.is_array)
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        module = _frozen(self.module)
+        t_out = partial_jvp(
+            lambda x: eqx.filter(module(x), eqx.is_array), tuple(args), tuple(t_args)
+        )
+        return _no_tangent(out) if t_out is None else t_out
+
+    def reference_forward(self, x: PyTree) -> PyTree:
+        return self.module(x)
+
+    def reference_derivative(self, x: PyTree) -> PyTree:
+        frozen = jtu.tree_map(
+            lambda p: jax.lax.stop_gradient(p) if eqx.is_inexact_array(p) else p,
+            self.module,
+        )
+        return frozen(x)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[Frozen]:
+        return _mlp_examples(cls, key)
+
+
+@functional(Frozen)
+def frozen_call(module: Callable[..., PyTree], x: PyTree) -> PyTree:
+    """Functional form of [`Frozen`][]: `Frozen(module)(x)`, i.e. `module(x)` with zero
+    derivative with respect to the module's parameters and the true one with
+    respect to `x`."""
+    return Frozen(module)(x)
+
+
+class Detach(PytreeRule):
+    r"""The identity on any pytree, with zero derivative: PyTorch's `x.detach()`.
+
+    $$y = x, \qquad \dot y = 0,$$
+
+    and derivatives of every order are zero. Used to cut the graph, e.g. on the carried state of a recurrent network between
+    windows of truncated back-propagation through time. Non-array leaves are passed
+    through untouched; integer arrays pass through with no tangent.
+
+    `exact` is `False`: the true derivative of the identity is not zero.
+
+    !!! Example
+
+        ```python
+        h, c = eqxrules.detach((h, c))
+        ```
+    """
+
+    summary: ClassVar[str] = "identity on any pytree, with zero derivative"
+    exact: ClassVar[bool] = False
+
+    def higher_order(self) -> bool:
+        # `primal` blocks the same paths as `tangent`, so every order agrees.
+        return True
+
+    def primal(self, x: PyTree) -> PyTree:
+        return _frozen(x)
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        return _no_tangent(out)
+
+    def reference_forward(self, x: PyTree) -> PyTree:
+        return x
+
+    def reference_derivative(self, x: PyTree) -> PyTree:
+        return jtu.tree_map(lambda a: a - (a - jax.lax.stop_gradient(a)), x)
+
+
+@functional(Detach)
+def detach(x: PyTree) -> PyTree:
+    """Functional form of [`Detach`][]: `Detach()(x)`, the identity on any pytree with
+    zero derivative."""
+    return Detach()(x)
+
+
+def _wide(x: Array) -> Array:
+    # Statistics of bf16/f16 inputs are accumulated in (at least) float32.
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+class Standardize(PytreeRule):
+    r"""Standardises every floating-point leaf along `axis`, with the statistics
+    treated as constants.
+
+    With $\mu$ and $\sigma$ the mean and (population) standard deviation of $x$ along
+    `axis`, and $\epsilon$ = `eps`,
+
+    $$y = \frac{x - \mu}{\sigma + \epsilon}, \qquad
+    \dot y = \frac{\dot x}{\sigma + \epsilon},$$
+
+    i.e. $\mu$ and $\sigma$ get `stop_gradient` (normalisation with stop-gradient
+    statistics). Derivatives of any order are those of that composition. Non-float
+    leaves are passed through untouched. Statistics of low-precision inputs are
+    computed in float32; the output keeps the input's dtype.
+
+    `exact` is `False`: the true derivative would also differentiate $\mu$ and
+    $\sigma$.
+
+    **Arguments:**
+
+    - `axis`: an int or a tuple of ints, the axes the statistics are taken over
+        (applied to every floating-point leaf).
+    - `eps`: a finite, non-negative number added to $\sigma$. With `eps=0` a
+        constant slice divides by zero.
+    """
+
+    axis: int | tuple[int, ...] = eqx.field(static=True, default=-1)
+    eps: float = eqx.field(static=True, default=1e-5)
+
+    summary: ClassVar[str] = (
+        "`(x - mean) / (std + eps)` along `axis`; mean and std get no gradient"
+    )
+    exact: ClassVar[bool] = False
+
+    def __check_init__(self):
+        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        if not axes or not all(
+            isinstance(a, int) and not isinstance(a, bool) for a in axes
+        ):
+            raise TypeError(
+                f"`{self.rule_name()}`: `axis` (={self.axis!r}) must be an int or a "
+                "non-empty tuple of ints."
+            )
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise TypeError(
+                f"`{self.rule_name()}`: `eps` (={self.eps!r}) must be a Python number."
+            )
+        validate_positive(self.rule_name(), "eps", self.eps, allow_zero=True)
+
+    def _denominator(self, x: Array) -> Array:
+        std = jnp.std(_wide(jax.lax.stop_gradient(x)), axis=self.axis, keepdims=True)
+        return std + self.eps
+
+    def higher_order(self) -> bool:
+        # `primal` blocks the same paths as `tangent`, so every order agrees.
+        return True
+
+    def primal(self, x: PyTree) -> PyTree:
+        def leaf(a):
+            if not eqx.is_inexact_array(a):
+                return a
+            mean = jnp.mean(_wide(jax.lax.stop_gradient(a)), self.axis, keepdims=True)
+            return ((_wide(a) - mean) / self._denominator(a)).astype(a.dtype)
+
+        return jtu.tree_map(leaf, x)
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        (x,) = args
+        (t_x,) = t_args
+        return _map_tangent(lambda a, t: t / self._denominator(a), x, t_x)
+
+    def reference_forward(self, x: PyTree) -> PyTree:
+        def leaf(a):
+            if not eqx.is_inexact_array(a):
+                return a
+            w = _wide(a)
+            var = jnp.var(w, axis=self.axis, keepdims=True)
+            centred = w - jnp.mean(w, axis=self.axis, keepdims=True)
+            return (centred / (jnp.sqrt(var) + self.eps)).astype(a.dtype)
+
+        return jtu.tree_map(leaf, x)
+
+    def reference_derivative(self, x: PyTree) -> PyTree:
+        def leaf(a):
+            if not eqx.is_inexact_array(a):
+                return a
+            w = _wide(a)
+            c = jax.lax.stop_gradient(w)
+            y = (w - c.mean(self.axis, keepdims=True)) / (
+                c.std(self.axis, keepdims=True) + self.eps
+            )
+            return y.astype(a.dtype)
+
+        return jtu.tree_map(leaf, x)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[Standardize]:
+        return [cls(), cls(axis=0, eps=0.1)]
+
+
+@functional(Standardize)
+def standardize(
+    x: PyTree, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-5
+) -> PyTree:
+    """Functional form of [`Standardize`][]: `Standardize(axis=axis, eps=eps)(x)`,
+    i.e. `(x - mean) / (std + eps)` along `axis` with derivative `t / (std + eps)`."""
+    return Standardize(axis=axis, eps=eps)(x)
