@@ -228,17 +228,7 @@ class Rule(eqx.Module):
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         if self.elementwise:
-            if len(args) != 1:
-                raise TypeError(
-                    f"`{self.rule_name()}` takes one array argument, got {len(args)}."
-                )
-            x = args[0]
-            dtype = jnp.result_type(x)
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                raise TypeError(
-                    f"`{self.rule_name()}` expects a floating-point array for `x`, "
-                    f"got dtype {dtype}. Cast it first, e.g. `x.astype(jnp.float32)`."
-                )
+            check_float_array(self.rule_name(), args)
 
 
 class JVPRule(Rule):
@@ -463,6 +453,19 @@ def catalogue() -> tuple[Entry, ...]:
     """
     _load_rules()
     return tuple(_entry(r) for r in _REGISTRY)
+
+
+def check_float_array(rule: str, args: tuple[Any, ...]) -> None:
+    """Raise a `TypeError` naming `rule` unless `args` is one floating-point array.
+    Elementwise rules call it on every call; so may rules that reduce an axis."""
+    if len(args) != 1:
+        raise TypeError(f"`{rule}` takes one array argument, got {len(args)}.")
+    dtype = jnp.result_type(args[0])
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(
+            f"`{rule}` expects a floating-point array for `x`, got dtype {dtype}. "
+            "Cast it first, e.g. `x.astype(jnp.float32)`."
+        )
 
 
 def validate_positive(rule: str, name: str, value: Any, *, allow_zero: bool) -> None:

@@ -1,0 +1,172 @@
+"""Layers built from rules: `Quantized` wraps a layer with a `weight`, and `quantize`
+wraps every such layer of a model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+from jaxtyping import Array, PRNGKeyArray
+
+_M = TypeVar("_M")
+
+Quantizer = Callable[[Array], Array]
+
+
+def _check_quantizer(where: str, name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"`{where}`: `{name}` (={value!r}) must be callable or None.")
+
+
+class Quantized(eqx.Module):
+    """Wraps an Equinox layer so that it computes with a quantised weight and a
+    quantised input, while the float ("latent") weight is what is trained.
+
+    The value is exactly `layer` with its weight replaced by `kernel_quantizer(weight)`,
+    applied to `input_quantizer(x)`. Gradients reach the latent weight through the
+    quantiser's rule (for [`SteSign`][], `[abs(weight) <= clip_value]` times the
+    gradient with respect to the binary weight).
+
+    **Arguments:**
+
+    - `layer`: any Equinox layer with a `weight` array: `eqx.nn.Linear`,
+        `eqx.nn.Conv1d`, `Conv2d`, `Conv3d`, ...
+    - `kernel_quantizer`: a callable applied to the weight, e.g. `eqxrules.SteSign()`.
+        `None` leaves the weight as it is.
+    - `input_quantizer`: a callable applied to the input. `None` leaves it as it is.
+
+    !!! Example
+
+        ```python
+        linear = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+        binary = eqxrules.Quantized(
+            linear, kernel_quantizer=eqxrules.SteSign(),
+            input_quantizer=eqxrules.SteSign(),
+        )
+        y = binary(jnp.ones(4))
+        ```
+    """
+
+    layer: Any
+    kernel_quantizer: Quantizer | None = eqx.field(default=None, kw_only=True)
+    input_quantizer: Quantizer | None = eqx.field(default=None, kw_only=True)
+
+    def __check_init__(self):
+        weight = getattr(self.layer, "weight", None)
+        if not eqx.is_array(weight):
+            raise TypeError(
+                f"`Quantized`: `layer` (a {type(self.layer).__name__}) must have a "
+                "`weight` array, like `eqx.nn.Linear` or `eqx.nn.Conv2d`."
+            )
+        if not callable(self.layer):
+            raise TypeError(f"`Quantized`: `layer` (={self.layer!r}) must be callable.")
+        _check_quantizer("Quantized", "kernel_quantizer", self.kernel_quantizer)
+        _check_quantizer("Quantized", "input_quantizer", self.input_quantizer)
+
+    @property
+    def quantized_layer(self) -> Any:
+        """The wrapped layer with its weight replaced by the quantised weight."""
+        if self.kernel_quantizer is None:
+            return self.layer
+        weight = self.kernel_quantizer(self.layer.weight)
+        return eqx.tree_at(lambda layer: layer.weight, self.layer, weight)
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        """**Arguments:**
+
+        - `x`: the input, as the wrapped layer takes it.
+        - `key`: ignored; accepted so that `eqx.nn.Sequential` can call the layer.
+
+        **Returns:**
+
+        The wrapped layer's output on the quantised weight and input.
+        """
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
+        return self.quantized_layer(x)
+
+
+def _has_weight_layer(node: Any) -> bool:
+    return isinstance(node, (eqx.nn.Linear, eqx.nn.Conv))
+
+
+def quantize(
+    model: _M,
+    *,
+    kernel_quantizer: Quantizer | None = None,
+    input_quantizer: Quantizer | None = None,
+    where: Callable[[Any], bool] = _has_weight_layer,
+) -> _M:
+    """Wrap every matching layer of `model` in [`Quantized`][], by tree surgery
+    (`eqx.tree_at`): a whole `eqx.nn.MLP` or CNN becomes binarised in one call.
+
+    Layers already inside a `Quantized` are left alone, so quantising twice does not
+    wrap twice.
+
+    **Arguments:**
+
+    - `model`: any pytree of layers, e.g. an `eqx.nn.MLP` or `eqx.nn.Sequential`.
+    - `kernel_quantizer`, `input_quantizer`: as for [`Quantized`][].
+    - `where`: a predicate choosing the layers to wrap. Default: every
+        `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`).
+
+    **Returns:**
+
+    A copy of `model` with each matching layer `layer` replaced by
+    `Quantized(layer, kernel_quantizer=..., input_quantizer=...)`.
+
+    **Raises:**
+
+    `ValueError` if no layer matches `where`.
+
+    !!! Example
+
+        ```python
+        mlp = eqx.nn.MLP(64, 10, 128, 2, key=jax.random.key(0))
+        binary = eqxrules.quantize(mlp, kernel_quantizer=eqxrules.SteSign())
+        ```
+    """
+    _check_quantizer("quantize", "kernel_quantizer", kernel_quantizer)
+    _check_quantizer("quantize", "input_quantizer", input_quantizer)
+
+    def is_leaf(node: Any) -> bool:
+        return isinstance(node, Quantized) or where(node)
+
+    nodes = jtu.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
+    if not any(where(node) or isinstance(node, Quantized) for _, node in nodes):
+        raise ValueError(
+            f"`quantize`: no layer of `model` (a {type(model).__name__}) matches "
+            "`where`."
+        )
+    # `where` is asked about the model's own nodes (so a predicate may test
+    # identity); `eqx.tree_at` then replaces them by their paths.
+    paths = [p for p, node in nodes if not isinstance(node, Quantized) and where(node)]
+    if not paths:
+        return model
+
+    def wrap(layer: Any) -> Quantized:
+        return Quantized(
+            layer, kernel_quantizer=kernel_quantizer, input_quantizer=input_quantizer
+        )
+
+    return eqx.tree_at(
+        lambda m: [_get(m, path) for path in paths], model, replace_fn=wrap
+    )
+
+
+def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        if isinstance(key, jtu.GetAttrKey):
+            tree = getattr(tree, key.name)
+        elif isinstance(key, jtu.SequenceKey):
+            tree = tree[key.idx]
+        elif isinstance(key, jtu.DictKey):
+            tree = tree[key.key]
+        else:
+            raise TypeError(
+                f"`quantize`: cannot follow the path {jtu.keystr(path)} into the "
+                "model: a pytree node without keyed children is on the way."
+            )
+    return tree

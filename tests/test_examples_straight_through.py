@@ -1,0 +1,27 @@
+"""The issue-3 examples, in quick mode: they run and reach their figures."""
+
+from __future__ import annotations
+
+
+def test_binary_mlp_digits_learns_and_reports_the_trick(load_example, capsys):
+    figures = load_example("binary_mlp_digits").main(quick=True)
+    out = capsys.readouterr().out
+    epochs = len(figures["losses"])
+    assert epochs >= 2 and out.count("epoch ") == epochs  # a progress line per epoch
+    assert figures["losses"][-1] < 0.5 * figures["losses"][0]
+    assert figures["trick_losses"][-1] < 0.5 * figures["trick_losses"][0]
+    assert figures["accuracy"] > 0.8 and figures["trick_accuracy"] > 0.8
+    assert "test accuracy: eqxrules SteSign" in out and "stop_gradient trick" in out
+    assert set(figures["on_boundary"]) == {"eqxrules", "trick"}
+
+
+def test_straight_through_vq_loss_falls(load_example, capsys):
+    figures = load_example("straight_through_vq").main(quick=True)
+    out = capsys.readouterr().out
+    for name in ("straight_through_onehot", "gumbel_softmax"):
+        r = figures[name]
+        assert r["losses"][-1] < r["losses"][0]
+        assert r["test_loss"] < 0.5 * r["start_loss"]
+        assert r["test_loss"] < figures["baseline"]  # better than the mean image
+        assert r["codes_used"] > 2  # not collapsed onto one or two codes
+        assert f"{name}: test loss {r['start_loss']:.4f} -> {r['test_loss']:.4f}" in out

@@ -1,0 +1,213 @@
+"""`Quantized` and `quantize`: the value is the layer on the quantised weight and
+input; gradients reach the latent weights through the quantiser's rule; whole models
+(an MLP, a small CNN) are wrapped in one call."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import optax
+import pytest
+
+import eqxrules
+
+
+def _build(make, seed=0):
+    """`make(key)` with numpy-drawn parameters: tracing the constructor costs nothing,
+    where running it compiles a PRNG program per parameter shape."""
+    rng = np.random.default_rng(seed)
+    shapes = eqx.filter_eval_shape(make, jax.random.key(0))
+
+    def fill(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jnp.asarray(rng.uniform(-0.5, 0.5, leaf.shape), leaf.dtype)
+        return leaf
+
+    return jtu.tree_map(fill, shapes)
+
+
+def _normal(seed, shape, scale=1.0):
+    return jnp.asarray(
+        scale * np.random.default_rng(seed).normal(size=shape), jnp.float32
+    )
+
+
+def _sign(x):
+    return jnp.where(x >= 0, 1.0, -1.0)
+
+
+def _with_weight(layer, weight):
+    return eqx.tree_at(lambda m: m.weight, layer, weight)
+
+
+def _inflate(layer):
+    # Latent weights spread over [-3, 3], so the STE's clip window matters, and two
+    # of them exactly on its boundary (inclusive: they get the gradient).
+    w = 3 * layer.weight / jnp.max(jnp.abs(layer.weight))
+    w = w.reshape(-1).at[:2].set(jnp.array([1.0, -1.0])).reshape(w.shape)
+    return _with_weight(layer, w)
+
+
+LAYERS = {
+    "Linear": (lambda k: eqx.nn.Linear(5, 3, key=k), (5,)),
+    "Conv1d": (lambda k: eqx.nn.Conv1d(2, 3, 3, key=k), (2, 9)),
+    "Conv2d": (lambda k: eqx.nn.Conv2d(2, 3, 3, padding=1, key=k), (2, 5, 5)),
+    "Conv3d": (lambda k: eqx.nn.Conv3d(1, 2, 2, key=k), (1, 4, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_quantized_value_and_gradients(name):
+    make, shape = LAYERS[name]
+    layer = _inflate(_build(make))
+    x = _normal(1, shape, 2.0)
+    q = eqxrules.Quantized(
+        layer, kernel_quantizer=eqxrules.SteSign(), input_quantizer=eqxrules.SteSign()
+    )
+    binary = _with_weight(layer, _sign(layer.weight))
+
+    def loss(model, x):
+        return jnp.sum(jnp.sin(model(x)))
+
+    @eqx.filter_jit
+    def value_and_grads(model, x):
+        return model(x), jax.grad(loss, argnums=(0, 1))(model, x)
+
+    out, (g_model, g_x) = value_and_grads(q, x)
+    out_binary, (g_binary, g_bx) = value_and_grads(binary, _sign(x))
+    np.testing.assert_allclose(out, out_binary, rtol=1e-6)
+    assert set(np.unique(np.asarray(q.quantized_layer.weight))) == {-1.0, 1.0}
+    # Through SteSign: the gradient w.r.t. the binary weight, where |w| <= 1.
+    inside = np.abs(np.asarray(layer.weight)) <= 1
+    assert 0 < inside.mean() < 1 and inside.reshape(-1)[:2].all()
+    np.testing.assert_allclose(
+        g_model.layer.weight, np.where(inside, g_binary.weight, 0), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        g_x, np.where(np.abs(np.asarray(x)) <= 1, g_bx, 0), rtol=1e-5
+    )
+    np.testing.assert_allclose(g_model.layer.bias, g_binary.bias, rtol=1e-5)
+
+
+def test_quantized_without_quantizers_is_the_layer():
+    layer = _build(lambda k: eqx.nn.Linear(4, 2, key=k))
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(eqxrules.Quantized(layer)(x), layer(x))
+
+
+def test_quantized_with_other_rules():
+    layer = _inflate(_build(lambda k: eqx.nn.Linear(6, 2, key=k)))
+    x = jnp.linspace(-1.5, 1.5, 6)
+    q = eqxrules.Quantized(
+        layer,
+        kernel_quantizer=eqxrules.MagnitudeAwareSign(),
+        input_quantizer=eqxrules.SteQuantize(bits=2),
+    )
+    w = layer.weight
+    scale = jnp.mean(jnp.abs(w), axis=0, keepdims=True)
+    levels = jnp.array([-1.0, -1 / 3, 1 / 3, 1.0])
+    xq = levels[jnp.argmin(jnp.abs(jnp.clip(x, -1, 1)[:, None] - levels), axis=1)]
+    np.testing.assert_allclose(
+        q(x), _with_weight(layer, scale * _sign(w))(xq), rtol=1e-5
+    )
+
+
+def test_quantized_rejects_a_layer_without_weight_and_bad_quantizers():
+    with pytest.raises(TypeError, match="`Quantized`: `layer` .* must have a `weight`"):
+        eqxrules.Quantized(eqx.nn.Lambda(jnp.tanh))
+    layer = _build(lambda k: eqx.nn.Linear(2, 2, key=k))
+    with pytest.raises(
+        TypeError, match="`kernel_quantizer` \\(=1.0\\) must be callable"
+    ):
+        eqxrules.Quantized(layer, kernel_quantizer=1.0)  # pyright: ignore[reportArgumentType]
+
+
+def _mlp():
+    return _build(lambda k: eqx.nn.MLP(4, 3, 8, 2, activation=jnp.tanh, key=k), 3)
+
+
+def test_quantize_mlp_wraps_every_linear_and_matches_by_hand():
+    mlp = _mlp()
+    binary = eqxrules.quantize(
+        mlp, kernel_quantizer=eqxrules.SteSign(), input_quantizer=eqxrules.SteSign()
+    )
+    assert all(isinstance(layer, eqxrules.Quantized) for layer in binary.layers)
+    x = jnp.array([0.3, -1.2, 0.0, 2.0])
+    h = x
+    for i, layer in enumerate(mlp.layers):
+        h = _with_weight(layer, _sign(layer.weight))(_sign(h))
+        if i < len(mlp.layers) - 1:
+            h = jnp.tanh(h)
+    np.testing.assert_allclose(binary(x), h, rtol=1e-6)
+
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2)))(binary)
+    for layer in grads.layers:
+        assert np.any(np.asarray(layer.layer.weight) != 0)
+
+
+def test_quantize_twice_does_not_wrap_twice_and_where_selects():
+    mlp = _mlp()
+    once = eqxrules.quantize(mlp, kernel_quantizer=eqxrules.SteSign())
+    twice = eqxrules.quantize(once, kernel_quantizer=eqxrules.SteSign())
+    assert all(type(layer.layer) is eqx.nn.Linear for layer in twice.layers)
+    first = eqxrules.quantize(
+        mlp, kernel_quantizer=eqxrules.SteSign(), where=lambda m: m is mlp.layers[0]
+    )
+    kinds = [type(layer) for layer in first.layers]
+    assert kinds == [eqxrules.Quantized, eqx.nn.Linear, eqx.nn.Linear]
+    with pytest.raises(ValueError, match="`quantize`: no layer of `model`"):
+        eqxrules.quantize(mlp, where=lambda m: False)
+
+
+def _cnn(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(1, 4, 3, key=k1),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.Conv2d(4, 4, 3, key=k2),
+            eqx.nn.Lambda(jnp.ravel),
+            eqx.nn.Linear(4 * 4 * 4, 3, key=k3),
+        ]
+    )
+
+
+def test_quantize_small_cnn_matches_and_learns():
+    cnn = _build(_cnn, 4)
+    binary = eqxrules.quantize(cnn, kernel_quantizer=eqxrules.SteSign())
+    kinds = [type(layer).__name__ for layer in binary.layers]
+    assert kinds == ["Quantized", "Lambda", "Quantized", "Lambda", "Quantized"]
+    x = _normal(5, (16, 1, 8, 8))
+    by_hand = eqx.nn.Sequential(
+        [
+            _with_weight(layer, _sign(layer.weight))
+            if hasattr(layer, "weight")
+            else layer
+            for layer in cnn.layers
+        ]
+    )
+    forward = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    np.testing.assert_allclose(forward(binary, x), forward(by_hand, x), rtol=1e-5)
+
+    y = jnp.asarray(np.random.default_rng(6).integers(0, 3, 16))
+    optim = optax.adam(1e-2)
+
+    def loss(model):
+        logits = jax.vmap(model)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @eqx.filter_jit
+    def step(model, state):
+        value, grads = eqx.filter_value_and_grad(loss)(model)
+        updates, state = optim.update(grads, state)
+        return eqx.apply_updates(model, updates), state, value
+
+    state = optim.init(eqx.filter(binary, eqx.is_array))
+    losses = []
+    for _ in range(30):
+        binary, state, value = step(binary, state)
+        losses.append(float(value))
+    assert losses[-1] < 0.7 * losses[0]
