@@ -52,8 +52,11 @@ def main(quick: bool = False) -> dict:
         model = sgd_step(model, x, y)
         losses.append(float(loss(model, x, y)))
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {steps} jitted SGD steps")
-    return {"weight_grad": grads.linear.weight, "bias_grad": grads.linear.bias,
-            "losses": losses}
+    return {
+        "weight_grad": grads.linear.weight,
+        "bias_grad": grads.linear.bias,
+        "losses": losses,
+    }
 
 
 if __name__ == "__main__":

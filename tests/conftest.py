@@ -1,4 +1,9 @@
+import importlib.util
 import os
+import pathlib
+import sys
+
+import pytest
 
 # The property suite is jit-compiled on whatever backend JAX finds; keep hypothesis
 # deterministic and bounded so the suite stays well inside CI's time.
@@ -13,12 +18,6 @@ settings.register_profile(
 )
 settings.load_profile("ci")
 
-
-import importlib.util
-import pathlib
-import sys
-
-import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

@@ -13,9 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_every_example_is_run_by_a_test():
     tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
     for example in sorted((ROOT / "examples").glob("*.py")):
-        assert (
-            f'"{example.stem}"' in tests or f"'{example.stem}'" in tests
-        ), f"no test runs examples/{example.name}"
+        assert f'"{example.stem}"' in tests or f"'{example.stem}'" in tests, (
+            f"no test runs examples/{example.name}"
+        )
 
 
 def test_scaled_model_example(load_example, capsys):
@@ -25,7 +25,9 @@ def test_scaled_model_example(load_example, capsys):
         assert figures[mode]["weights_match_plain"], mode
         assert f"mode={mode!r}" in out
     np.testing.assert_allclose(figures["exact"]["x"], figures["plain_x"], rtol=1e-6)
-    np.testing.assert_allclose(figures["skip_scale"]["x"], 4 * figures["plain_x"], rtol=1e-5)
+    np.testing.assert_allclose(
+        figures["skip_scale"]["x"], 4 * figures["plain_x"], rtol=1e-5
+    )
     np.testing.assert_array_equal(figures["stop_input"]["x"], 0)
 
 

@@ -33,3 +33,10 @@ def test_quick_start_has_exactly_two_commands():
     assert len(commands) == 2
     assert "python -m eqxrules" in commands[0]
     assert "pytest" in commands[1] and "[test]" in commands[1]
+
+
+def test_thirty_second_example_runs():
+    code = README.split("## In 30 seconds", 1)[1].split("```python", 1)[1]
+    namespace: dict = {}
+    exec(code.split("```", 1)[0], namespace)
+    assert namespace["report"].passed

@@ -62,7 +62,9 @@ def test_mode_matches_definition(mode, data):
 
 def _linear():
     lin = eqx.nn.Linear(3, 1, key=jax.random.key(0))
-    return eqx.tree_at(lambda l: (l.weight, l.bias), lin, (jnp.ones((1, 3)), jnp.zeros(1)))
+    return eqx.tree_at(
+        lambda lin: (lin.weight, lin.bias), lin, (jnp.ones((1, 3)), jnp.zeros(1))
+    )
 
 
 X = jnp.array([0.0, 1.0, 2.0])
@@ -102,7 +104,9 @@ def test_jit_vmap_and_functional_form(mode):
     mlp = eqx.nn.MLP(3, 2, 4, 1, activation=jnp.tanh, key=jax.random.key(2))
     xs = jax.random.normal(jax.random.key(3), (5, 3))
     model = ScaledModel(mlp, 4.0, mode=mode)
-    out = eqx.filter_jit(eqx.filter_vmap(lambda m, x: m(x), in_axes=(None, 0)))(model, xs)
+    out = eqx.filter_jit(eqx.filter_vmap(lambda m, x: m(x), in_axes=(None, 0)))(
+        model, xs
+    )
     np.testing.assert_allclose(out, jax.vmap(lambda x: mlp(x / 4.0))(xs), rtol=1e-6)
     f = lambda x: scaled_call(mlp, x, 4.0, mode=mode).sum()  # noqa: E731
     g = jax.vmap(jax.grad(f))(xs)

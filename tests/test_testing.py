@@ -63,7 +63,9 @@ def _textbook_jvp(primals, tangents):
     model, x = primals
     out = model.sub_model(x / model.scale)
     # The textbook bug: only the input tangent is read.
-    _, t_out = jax.jvp(model.sub_model, (x / model.scale,), (tangents[1] / model.scale,))
+    _, t_out = jax.jvp(
+        model.sub_model, (x / model.scale,), (tangents[1] / model.scale,)
+    )
     return out, t_out
 
 
