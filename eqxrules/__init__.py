@@ -6,6 +6,7 @@ from ._catalogue import (
     Domain as Domain,
     Entry as Entry,
     JVPRule as JVPRule,
+    PytreeRule as PytreeRule,
     Rule as Rule,
     VJPRule as VJPRule,
     catalogue as catalogue,

@@ -31,7 +31,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import core
 from jax._src.interpreters import ad as _ad
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -134,6 +134,10 @@ def partial_jvp(
         tuple(t_leaves[i] for i in index),
     )
     return t_out
+
+
+def _is_none_leaf(x: Any) -> bool:
+    return x is None
 
 
 def _align_tangents(primals: Any, tangents: Any) -> Any:
@@ -289,6 +293,41 @@ class VJPRule(Rule):
                 "`jax.hessian` or `jax.linearize`."
             )
         return apply_vjp_rule((self, args), **kwargs)
+
+
+def no_tangent(out: PyTree) -> PyTree:
+    """A symbolic-zero tangent for every leaf of `out` (a bare `None` is only
+    accepted for a single-array output)."""
+    return jtu.tree_map(lambda _: None, out)
+
+
+def map_tangent(f: Callable[[Array, Array], Array], x: PyTree, t_x: PyTree) -> PyTree:
+    """`f(leaf, tangent)` for every leaf of `x` with a tangent; `None` elsewhere."""
+    if t_x is None:
+        return no_tangent(x)
+    return jtu.tree_map(
+        lambda t, leaf: None if t is None else f(leaf, t), t_x, x, is_leaf=_is_none_leaf
+    )
+
+
+class PytreeRule(JVPRule):
+    """Base of the rules that map any pytree `x` to a pytree of the same structure
+    (`Detach`, `GradientReversal`, ...).
+
+    `eqx.filter_custom_jvp` needs its outputs to be JAX types, so the non-array
+    leaves of `x` (strings, Python numbers, `None`) are split off before the custom
+    JVP and put back, untouched, after it. Integer and bool arrays go through it and
+    get no tangent.
+    """
+
+    elementwise: ClassVar[bool] = False
+    pytree_input: ClassVar[bool] = True
+
+    def __call__(self, x: PyTree, **kwargs: Any) -> PyTree:
+        if isinstance(x, float):
+            x = jnp.asarray(x)
+        arrays, other = eqx.partition(x, eqx.is_array)
+        return eqx.combine(super().__call__(arrays, **kwargs), other)
 
 
 @eqx.filter_custom_jvp
@@ -481,6 +520,9 @@ def validate_positive(rule: str, name: str, value: Any, *, allow_zero: bool) -> 
 
 
 __all__ = [
+    "PytreeRule",
+    "map_tangent",
+    "no_tangent",
     "Domain",
     "Entry",
     "JVPRule",

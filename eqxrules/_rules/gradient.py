@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._catalogue import VJPRule, functional, validate_positive
-from .stop_gradient import PytreeRule, _is_none, _map_tangent
+from .._catalogue import PytreeRule, VJPRule, functional, map_tangent, validate_positive
 
 
 def _check_number(rule: str, name: str, value: Any) -> None:
@@ -75,7 +74,7 @@ class GradientReversal(PytreeRule):
         return x
 
     def tangent(self, args, t_args, t_self, out, **kwargs):
-        return _map_tangent(lambda _, t: -self.scale * t, args[0], t_args[0])
+        return map_tangent(lambda _, t: -self.scale * t, args[0], t_args[0])
 
     def reference_forward(self, x: PyTree) -> PyTree:
         return x
@@ -132,7 +131,7 @@ class GradientScale(PytreeRule):
         return x
 
     def tangent(self, args, t_args, t_self, out, **kwargs):
-        return _map_tangent(lambda _, t: self.scale * t, args[0], t_args[0])
+        return map_tangent(lambda _, t: self.scale * t, args[0], t_args[0])
 
     def reference_forward(self, x: PyTree) -> PyTree:
         return x
@@ -182,7 +181,7 @@ class _CotangentRule(VJPRule):
 def _leafwise(f, cotangent: PyTree) -> PyTree:
     # `None` leaves are symbolic-zero cotangents: they stay `None`.
     return jtu.tree_map(
-        lambda c: None if c is None else f(c), cotangent, is_leaf=_is_none
+        lambda c: None if c is None else f(c), cotangent, is_leaf=lambda c: c is None
     )
 
 

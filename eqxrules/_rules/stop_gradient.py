@@ -12,17 +12,16 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._catalogue import Domain, JVPRule, functional, partial_jvp, validate_positive
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def _no_tangent(out: PyTree) -> PyTree:
-    """A symbolic-zero tangent for every leaf of `out` (a bare `None` is only
-    accepted for a single-array output)."""
-    return jtu.tree_map(lambda _: None, out)
+from .._catalogue import (
+    Domain,
+    JVPRule,
+    PytreeRule,
+    functional,
+    map_tangent,
+    no_tangent,
+    partial_jvp,
+    validate_positive,
+)
 
 
 def _frozen(tree: PyTree) -> PyTree:
@@ -35,34 +34,6 @@ def _frozen(tree: PyTree) -> PyTree:
     """
     dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
     return eqx.combine(jax.lax.stop_gradient(dynamic), static)
-
-
-def _map_tangent(f: Callable[[Array, Array], Array], x: PyTree, t_x: PyTree) -> PyTree:
-    """`f(leaf, tangent)` for every leaf of `x` with a tangent; `None` elsewhere."""
-    if t_x is None:
-        return _no_tangent(x)
-    return jtu.tree_map(
-        lambda t, leaf: None if t is None else f(leaf, t), t_x, x, is_leaf=_is_none
-    )
-
-
-class PytreeRule(JVPRule):
-    """Base of the rules that map a pytree `x` to a pytree of the same structure.
-
-    `eqx.filter_custom_jvp` needs its outputs to be JAX types, so the non-array
-    leaves of `x` (strings, Python numbers, `None`) are split off before the custom
-    JVP and put back, untouched, after it. Integer and bool arrays go through it and
-    get no tangent.
-    """
-
-    elementwise: ClassVar[bool] = False
-    pytree_input: ClassVar[bool] = True
-
-    def __call__(self, x: PyTree, **kwargs: Any) -> PyTree:
-        if isinstance(x, float):
-            x = jnp.asarray(x)
-        arrays, other = eqx.partition(x, eqx.is_array)
-        return eqx.combine(super().__call__(arrays, **kwargs), other)
 
 
 class _WrapperRule(JVPRule):
@@ -146,7 +117,7 @@ class StopGradient(_WrapperRule):
         return eqx.filter(fn(x), eqx.is_array)
 
     def tangent(self, args, t_args, t_self, out, **kwargs):
-        return _no_tangent(out)
+        return no_tangent(out)
 
     def reference_forward(self, x: PyTree) -> PyTree:
         return self.fn(x)
@@ -222,7 +193,7 @@ class Frozen(_WrapperRule):
         t_out = partial_jvp(
             lambda x: eqx.filter(module(x), eqx.is_array), tuple(args), tuple(t_args)
         )
-        return _no_tangent(out) if t_out is None else t_out
+        return no_tangent(out) if t_out is None else t_out
 
     def reference_forward(self, x: PyTree) -> PyTree:
         return self.module(x)
@@ -276,7 +247,7 @@ class Detach(PytreeRule):
         return _frozen(x)
 
     def tangent(self, args, t_args, t_self, out, **kwargs):
-        return _no_tangent(out)
+        return no_tangent(out)
 
     def reference_forward(self, x: PyTree) -> PyTree:
         return x
@@ -366,7 +337,7 @@ class Standardize(PytreeRule):
     def tangent(self, args, t_args, t_self, out, **kwargs):
         (x,) = args
         (t_x,) = t_args
-        return _map_tangent(lambda a, t: t / self._denominator(a), x, t_x)
+        return map_tangent(lambda a, t: t / self._denominator(a), x, t_x)
 
     def reference_forward(self, x: PyTree) -> PyTree:
         def leaf(a):
