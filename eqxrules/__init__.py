@@ -3,6 +3,7 @@ checked against a reference."""
 
 from . import testing as testing
 from ._catalogue import (
+    BadHyperparameter as BadHyperparameter,
     Domain as Domain,
     Entry as Entry,
     JVPRule as JVPRule,

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -159,6 +160,33 @@ def _match_dtypes(t_tree: Any, like_tree: Any) -> Any:
     return jtu.tree_map(_cast_like, t_tree, like_tree, is_leaf=lambda t: t is None)
 
 
+class BadHyperparameter(NamedTuple):
+    """One invalid construction of a rule, declared on the rule itself (see
+    `Rule.invalid_hyperparameters`) so the misuse tests need no per-rule table:
+    `module(*args, **kwargs)` must raise `error` with a message naming the rule,
+    `` `argument` `` and `value` (as `=value!r`; `value=None` skips that part)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    error: type[Exception]
+    argument: str
+    value: Any = None
+
+
+@ft.cache
+def _primal_arity(cls: type) -> tuple[str, ...] | None:
+    """The names of `cls.primal`'s positional parameters (after `self`), or `None`
+    if it takes `*args`."""
+    params = list(inspect.signature(cls.primal).parameters.values())[1:]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+    return tuple(p.name for p in params if p.kind in positional)
+
+
 class Rule(eqx.Module):
     """Base class of every catalogue rule. Subclass [`JVPRule`][] or [`VJPRule`][].
 
@@ -207,6 +235,12 @@ class Rule(eqx.Module):
         """Instances, with representative hyperparameters, that the catalogue checks."""
         return [cls()]
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        """Constructions that must be rejected, with the error each must raise. A
+        rule with hyperparameters declares at least one per hyperparameter."""
+        return ()
+
     def call_kwargs(self, key: PRNGKeyArray) -> dict[str, Any]:
         """Keyword arguments the checks pass on each call (a PRNG key, say)."""
         return {}
@@ -229,6 +263,15 @@ class Rule(eqx.Module):
     def rule_name(cls) -> str:
         fn = cls.function
         return fn.__name__ if fn is not None else cls.__name__
+
+    def _check_arity(self, args: tuple[Any, ...]) -> None:
+        names = _primal_arity(type(self))
+        if names is not None and len(args) != len(names):
+            listed = ", ".join(f"`{n}`" for n in names)
+            raise TypeError(
+                f"`{self.rule_name()}` takes {len(names)} positional argument(s) "
+                f"({listed}), got {len(args)}."
+            )
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         if self.elementwise:
@@ -256,6 +299,7 @@ class JVPRule(Rule):
         raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_arity(args)
         args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
         self._check_call(args)
         return apply_jvp_rule(self, *args, **kwargs)
@@ -283,6 +327,7 @@ class VJPRule(Rule):
         raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_arity(args)
         args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
         self._check_call(args)
         if any(_is_forward_mode_tracer(x) for x in jtu.tree_leaves((self, args))):
@@ -323,7 +368,9 @@ class PytreeRule(JVPRule):
     elementwise: ClassVar[bool] = False
     pytree_input: ClassVar[bool] = True
 
-    def __call__(self, x: PyTree, **kwargs: Any) -> PyTree:
+    def __call__(self, *args: PyTree, **kwargs: Any) -> PyTree:
+        self._check_arity(args)
+        (x,) = args
         if isinstance(x, float):
             x = jnp.asarray(x)
         arrays, other = eqx.partition(x, eqx.is_array)
@@ -520,6 +567,7 @@ def validate_positive(rule: str, name: str, value: Any, *, allow_zero: bool) -> 
 
 
 __all__ = [
+    "BadHyperparameter",
     "PytreeRule",
     "map_tangent",
     "no_tangent",

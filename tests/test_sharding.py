@@ -1,0 +1,91 @@
+"""Sharding on 8 simulated CPU devices (issue 5, situation 12).
+
+`tests/sharding_worker.py` runs every catalogue example under `jax.jit` with a
+`NamedSharding` over a batch axis and under `jax.shard_map`, and compares loss and
+gradients with a single-device run; then it runs `examples/data_parallel.py`. It
+needs `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts, so it
+runs in one subprocess (one start-up for every entry), and this process keeps its
+one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import eqxrules
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "sharding_worker.py"
+# Run by the worker with `main(quick=True)`, and as a script by the slow test.
+EXAMPLE = "data_parallel"
+ENTRIES = eqxrules.catalogue()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def sharded() -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(WORKER)],
+        cwd=ROOT,
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_worker_has_eight_devices_and_this_process_one(sharded):
+    assert sharded["devices"] == 8
+    assert len(jax.devices()) == 1
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_entry_sharded_equals_unsharded(sharded, entry):
+    """Every example of the entry: loss and gradients under `jit` with a
+    `NamedSharding` over the batch, and under `shard_map`, equal one device's."""
+    result = sharded["entries"][entry.name]
+    assert result["examples"] == len(entry.examples(jax.random.key(0)))
+    assert result["failures"] == []
+
+
+def test_data_parallel_example_matches_single_device(sharded):
+    figures = sharded["data_parallel"]
+    assert "error" not in figures, figures.get("error")
+    assert figures["devices"] == 8
+    assert figures["matches"] and figures["max_rel_diff"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_data_parallel_script_sets_its_own_devices():
+    """Run as a script with no `XLA_FLAGS`, the example simulates its 8 devices
+    itself and says that the losses match."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / f"{EXAMPLE}.py"), "--quick"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "split over 8 devices" in proc.stdout
+    assert "loss matches the single-device run" in proc.stdout
