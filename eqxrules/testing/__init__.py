@@ -4,7 +4,8 @@ It knows nothing of the catalogue: it checks any callable. The catalogue's own t
 and `python -m eqxrules` are built on it.
 """
 
-from . import strategies as strategies
+from typing import TYPE_CHECKING, Any
+
 from ._check import (
     CHECKS as CHECKS,
     DEFAULT_TOLERANCES as DEFAULT_TOLERANCES,
@@ -14,3 +15,16 @@ from ._check import (
     RuleReport as RuleReport,
     check_rule as check_rule,
 )
+
+if TYPE_CHECKING:
+    from . import strategies as strategies
+
+
+def __getattr__(name: str) -> Any:
+    # `strategies` needs hypothesis, which only the `test` extra installs: import it
+    # on first use, so `import eqxrules` works without it.
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.strategies")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
