@@ -142,7 +142,7 @@ MUTATIONS = [
         "parameter tangent",
         "scaled_call",
         SC,
-        "t_sub = None if t_self is None else t_self.sub_model",
+        "t_sub = t_self.sub_model",
         "t_sub = None",
     ),
     Mutation(
@@ -150,7 +150,7 @@ MUTATIONS = [
         "parameter tangent",
         "scaled_call",
         SC,
-        "t_scale = None if t_self is None else t_self.scale",
+        "t_scale = t_self.scale",
         "t_scale = None",
     ),
     Mutation(

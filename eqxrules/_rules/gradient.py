@@ -13,7 +13,16 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._catalogue import PytreeRule, VJPRule, functional, map_tangent, validate_positive
+from .._catalogue import (
+    BadHyperparameter,
+    PytreeRule,
+    VJPRule,
+    functional,
+    map_tangent,
+    validate_positive,
+)
+
+_NAN, _INF = float("nan"), float("inf")
 
 
 def _check_number(rule: str, name: str, value: Any) -> None:
@@ -87,6 +96,14 @@ class GradientReversal(PytreeRule):
     def examples(cls, key: PRNGKeyArray) -> Sequence[GradientReversal]:
         return [cls(), cls(scale=0.3)]
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"scale": _NAN}, ValueError, "scale", _NAN),
+            BadHyperparameter((), {"scale": _INF}, ValueError, "scale", _INF),
+            BadHyperparameter((), {"scale": "1"}, TypeError, "scale", "1"),
+        ]
+
 
 @functional(GradientReversal)
 def gradient_reversal(x: PyTree, scale: float = 1.0) -> PyTree:
@@ -143,6 +160,13 @@ class GradientScale(PytreeRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[GradientScale]:
         return [cls(2.5)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((_NAN,), {}, ValueError, "scale", _NAN),
+            BadHyperparameter((None,), {}, TypeError, "scale", None),
+        ]
 
 
 @functional(GradientScale)
@@ -234,6 +258,15 @@ class ClipGradient(_CotangentRule):
     def examples(cls, key: PRNGKeyArray) -> Sequence[ClipGradient]:
         return [cls(-0.3, 1.0)]
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((1.0, 0.5), {}, ValueError, "lo", 1.0),
+            BadHyperparameter((0.5, 1.0), {}, ValueError, "lo", 0.5),
+            BadHyperparameter((-1.0, -0.5), {}, ValueError, "hi", -0.5),
+            BadHyperparameter(("a", 1.0), {}, TypeError, "lo", "a"),
+        ]
+
 
 @functional(ClipGradient)
 def clip_gradient(x: PyTree, lo: float, hi: float) -> PyTree:
@@ -302,6 +335,15 @@ class ClipGradientNorm(_CotangentRule):
         # Random cotangents of the (4, 3) test input have norm about 3.5: the first
         # example rescales them, the second leaves them alone.
         return [cls(1.0), cls(100.0)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((0.0,), {}, ValueError, "max_norm", 0.0),
+            BadHyperparameter((-1.0,), {}, ValueError, "max_norm", -1.0),
+            BadHyperparameter((_NAN,), {}, ValueError, "max_norm", _NAN),
+            BadHyperparameter(("1",), {}, TypeError, "max_norm", "1"),
+        ]
 
 
 @functional(ClipGradientNorm)

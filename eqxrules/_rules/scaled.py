@@ -12,7 +12,7 @@ import numpy as np
 from jax import core
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree
 
-from .._catalogue import Domain, JVPRule, functional, partial_jvp
+from .._catalogue import BadHyperparameter, Domain, JVPRule, functional, partial_jvp
 
 Mode = Literal["exact", "skip_scale", "stop_input"]
 _MODES = ("exact", "skip_scale", "stop_input")
@@ -122,9 +122,11 @@ class ScaledModel(JVPRule):
     def tangent(self, args, t_args, t_self, out, **kwargs):
         (x,) = args
         (t_x,) = t_args
-        t_sub = None if t_self is None else t_self.sub_model
+        # `eqx.filter_custom_jvp` passes `t_self` shaped like the Module (`None` in
+        # each unperturbed field), never a bare `None`.
+        t_sub = t_self.sub_model
         if self.mode == "exact":
-            t_scale = None if t_self is None else t_self.scale
+            t_scale = t_self.scale
             return partial_jvp(
                 lambda sub, scale, x: sub(x / scale),
                 (self.sub_model, self.scale, x),
@@ -156,6 +158,25 @@ class ScaledModel(JVPRule):
             *(cls(mlp, 2.0, mode=m) for m in _MODES),
             cls(linear, jnp.array([0.5, 2.0, -1.5]), mode="exact"),
             cls(_sin_and_square, 3.0, mode="skip_scale"),
+        ]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        mlp = eqx.nn.MLP(3, 2, 4, 1, key=key)
+        nan, inf = float("nan"), float("inf")
+        return [
+            BadHyperparameter(
+                (mlp, 2.0), {"mode": "bogus"}, ValueError, "mode", "bogus"
+            ),
+            BadHyperparameter((mlp, 0.0), {}, ValueError, "scale", 0.0),
+            BadHyperparameter((mlp, nan), {}, ValueError, "scale", nan),
+            BadHyperparameter((mlp, -inf), {}, ValueError, "scale", -inf),
+            BadHyperparameter(
+                (mlp, np.array([1.0, 0.0, 2.0])), {}, ValueError, "scale", None
+            ),
+            BadHyperparameter((mlp, "2"), {}, TypeError, "scale", "2"),
+            BadHyperparameter((mlp, True), {}, TypeError, "scale", True),
+            BadHyperparameter((3, 2.0), {}, TypeError, "sub_model", 3),
         ]
 
 

@@ -13,6 +13,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._catalogue import (
+    BadHyperparameter,
     Domain,
     JVPRule,
     PytreeRule,
@@ -49,7 +50,9 @@ class _WrapperRule(JVPRule):
     def _wrapped(self) -> Callable[..., PyTree]:
         raise NotImplementedError
 
-    def __call__(self, x: PyTree, **kwargs: Any) -> PyTree:
+    def __call__(self, *args: PyTree, **kwargs: Any) -> PyTree:
+        self._check_arity(args)
+        (x,) = args
         if isinstance(x, float):
             x = jnp.asarray(x)
         shapes = eqx.filter_eval_shape(lambda f, x: f(x), self._wrapped(), x)
@@ -128,6 +131,10 @@ class StopGradient(_WrapperRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[StopGradient]:
         return _mlp_examples(cls, key)
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [BadHyperparameter((3,), {}, TypeError, "fn", 3)]
 
 
 @functional(StopGradient)
@@ -209,6 +216,10 @@ class Frozen(_WrapperRule):
     def examples(cls, key: PRNGKeyArray) -> Sequence[Frozen]:
         return _mlp_examples(cls, key)
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [BadHyperparameter(("m",), {}, TypeError, "module", "m")]
+
 
 @functional(Frozen)
 def frozen_call(module: Callable[..., PyTree], x: PyTree) -> PyTree:
@@ -289,7 +300,8 @@ class Standardize(PytreeRule):
     **Arguments:**
 
     - `axis`: an int or a tuple of ints, the axes the statistics are taken over
-        (applied to every floating-point leaf).
+        (applied to every floating-point leaf). A leaf without those axes (a
+        scalar, say) is a `ValueError` at call time.
     - `eps`: a finite, non-negative number added to $\sigma$. With `eps=0` a
         constant slice divides by zero.
     """
@@ -316,6 +328,19 @@ class Standardize(PytreeRule):
                 f"`{self.rule_name()}`: `eps` (={self.eps!r}) must be a Python number."
             )
         validate_positive(self.rule_name(), "eps", self.eps, allow_zero=True)
+
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        # Checked here, at call time: deep inside `jnp.std` a bad axis is an
+        # `IndexError` that names neither the rule nor the axis.
+        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        for leaf in jtu.tree_leaves(args):
+            if eqx.is_inexact_array(leaf) and not all(
+                -leaf.ndim <= a < leaf.ndim for a in axes
+            ):
+                raise ValueError(
+                    f"`{self.rule_name()}`: `axis` (={self.axis!r}) is out of range "
+                    f"for `x` of shape {leaf.shape}."
+                )
 
     def _denominator(self, x: Array) -> Array:
         std = jnp.std(_wide(jax.lax.stop_gradient(x)), axis=self.axis, keepdims=True)
@@ -366,6 +391,18 @@ class Standardize(PytreeRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[Standardize]:
         return [cls(), cls(axis=0, eps=0.1)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        nan = float("nan")
+        return [
+            BadHyperparameter((), {"axis": 1.5}, TypeError, "axis", 1.5),
+            BadHyperparameter((), {"axis": ()}, TypeError, "axis", ()),
+            BadHyperparameter((), {"axis": (0, "a")}, TypeError, "axis", (0, "a")),
+            BadHyperparameter((), {"eps": -1.0}, ValueError, "eps", -1.0),
+            BadHyperparameter((), {"eps": nan}, ValueError, "eps", nan),
+            BadHyperparameter((), {"eps": "1"}, TypeError, "eps", "1"),
+        ]
 
 
 @functional(Standardize)

@@ -4,6 +4,16 @@ backward. The larq catalogue, correct at every boundary, and what it lacks.
 Notation in the docstrings: $t$ is the incoming tangent, $[\cdot]$ is 1 where the
 condition holds and 0 elsewhere, and $\operatorname{sign}(x)$ is $+1$ for $x \ge 0$
 and $-1$ for $x < 0$ (so $\operatorname{sign}(0) = +1$ and outputs are only $\pm 1$).
+
+NaN inputs give NaN values: $\operatorname{sign}(\mathrm{NaN}) = \mathrm{NaN}$, and
+every step and quantiser here propagates NaN likewise (a categorical rule makes the
+whole row along `axis` NaN), so a NaN is never silently turned into a finite
+level. The derivative at NaN is what the formula gives: a mask such as
+$[\lvert x \rvert \le c]$ is false there (0), an identity derivative passes $t$, a
+smooth surrogate is NaN. At $\pm\infty$ the values are the limits ($\pm 1$, the end
+levels) and the derivatives the surrogates' limits (0 outside a clip), except the
+softmax derivative of a categorical rule, which is NaN along a row holding $+\infty$
+(softmax has no value there) while the value is one-hot.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree
 
 from .._catalogue import (
+    BadHyperparameter,
     Domain,
     JVPRule,
     check_float_array,
@@ -29,6 +40,7 @@ from .._catalogue import (
 )
 
 _sg = jax.lax.stop_gradient
+_NAN, _INF = float("nan"), float("inf")
 
 
 def _check_number(rule: str, name: str, value: Any) -> None:
@@ -53,6 +65,21 @@ def _check_bits(rule: str, bits: Any) -> None:
 def _check_axis(rule: str, axis: Any) -> None:
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"`{rule}`: `axis` (={axis!r}) must be an integer.")
+
+
+def _check_logits(rule: str, axis: int, args: tuple[Any, ...]) -> None:
+    check_float_array(rule, args)
+    shape = jnp.shape(args[0])
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(
+            f"`{rule}`: `axis` (={axis!r}) is out of range for `logits` of shape "
+            f"{shape}."
+        )
+
+
+def _needs_key(rule: str, key: Any) -> None:
+    if key is None:
+        raise TypeError(f"`{rule}` needs a PRNG key: call it as `m(x, key=key)`.")
 
 
 def _wide(dtype: Any) -> Any:
@@ -93,11 +120,13 @@ _SIGN_DOMAIN = Domain(low=-2.0, high=2.0, kinks=(-1.0, -0.5, 0.0, 0.5, 1.0))
 
 
 def _sign(x: Array) -> Array:
-    return jnp.where(x >= 0, 1, -1).astype(x.dtype)
+    return jnp.where(jnp.isnan(x), x, jnp.where(x >= 0, 1, -1).astype(x.dtype))
 
 
 def _reference_sign(x: Array) -> Array:
-    return jnp.where(x < 0, -jnp.ones_like(x), jnp.ones_like(x))
+    # A NaN fails both comparisons and falls through to itself.
+    one = jnp.ones_like(x)
+    return jnp.where(x < 0, -one, jnp.where(x >= 0, one, x))
 
 
 class SteSign(_Elementwise):
@@ -108,7 +137,8 @@ class SteSign(_Elementwise):
 
     with $c$ = `clip_value`, inclusive at $\pm c$ (the `stop_gradient` trick built on
     `jnp.clip` gives half the gradient there). With `clip_value=None` the derivative
-    is $t$ everywhere. Note $\operatorname{sign}(0) = +1$: outputs are only $\pm 1$.
+    is $t$ everywhere. Note $\operatorname{sign}(0) = +1$: outputs are only $\pm 1$,
+    and NaN for a NaN input.
 
     **Arguments:**
 
@@ -153,6 +183,15 @@ class SteSign(_Elementwise):
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteSign]:
         return [cls(), cls(clip_value=0.5), cls(clip_value=None)]
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"clip_value": -1.0}, ValueError, "clip_value", -1.0),
+            BadHyperparameter((), {"clip_value": _NAN}, ValueError, "clip_value", _NAN),
+            BadHyperparameter((), {"clip_value": "1"}, TypeError, "clip_value", "1"),
+            BadHyperparameter((), {"clip_value": True}, TypeError, "clip_value", True),
+        ]
+
 
 @functional(SteSign)
 def ste_sign(x: ArrayLike, clip_value: float | None = 1.0) -> Array:
@@ -196,8 +235,10 @@ class ApproxSign(_Elementwise):
         return _reference_sign(x)
 
     def reference_derivative(self, x: Array) -> Array:
-        # d/dx (2x - x|x|) = 2 - 2|x|
-        return jnp.where(jnp.abs(x) <= 1, 2 * x - x * jnp.abs(x), jnp.zeros_like(x))
+        # d/dx (2x - x|x|) = 2 - 2|x|. Outside [-1, 1] (NaN and inf included) the
+        # polynomial sees 0, so its derivative there is never `0 * inf`.
+        u = jnp.where(jnp.abs(x) <= 1, x, jnp.zeros_like(x))
+        return 2 * u - u * jnp.abs(u)
 
 
 @functional(ApproxSign)
@@ -246,21 +287,38 @@ class SwishSign(_Elementwise):
 
     def slope(self, x: Array) -> Array:
         b = float(self.beta)
-        bx = b * x
-        return b * (2 - bx * jnp.tanh(bx / 2)) / (1 + jnp.cosh(bx))
+        # Clamped to the largest finite number, so that at +-inf the ratio is
+        # finite / inf = 0 (its limit), not -inf / inf = NaN.
+        big = float(jnp.finfo(x.dtype).max)
+        bx = jnp.clip(b * x, -big, big)
+        return b * ((2 - bx * jnp.tanh(bx / 2)) / (1 + jnp.cosh(bx)))
 
     def reference_forward(self, x: Array) -> Array:
         return _reference_sign(x)
 
     def reference_derivative(self, x: Array) -> Array:
-        # sigma(y) and 1 - sigma(y) written out, so autodiff does not cancel.
-        y = self.beta * x
-        s, s_minus = 1 / (1 + jnp.exp(-y)), 1 / (1 + jnp.exp(y))
-        return 2 * s * (1 + y * s_minus) - 1
+        # In float32 at least: in float16 the derivative is wrong, even in sign, for
+        # |x| above about 1.1 (beta = 5). 1 - sigma(y) is sigma(-y), so autodiff
+        # neither cancels nor overflows for large |y|. At +-inf, where `y * (1 -
+        # sigma(y))` is inf * 0, the derivative is 0 (its limit): `y` is cut from
+        # `x` there.
+        w = x.astype(_wide(x.dtype))
+        y = self.beta * jnp.where(jnp.isinf(w), _sg(w), w)
+        s, s_minus = jax.nn.sigmoid(y), jax.nn.sigmoid(-y)
+        return (2 * s * (1 + y * s_minus) - 1).astype(x.dtype)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SwishSign]:
         return [cls(), cls(beta=1.5)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"beta": 0.0}, ValueError, "beta", 0.0),
+            BadHyperparameter((), {"beta": -5.0}, ValueError, "beta", -5.0),
+            BadHyperparameter((), {"beta": _INF}, ValueError, "beta", _INF),
+            BadHyperparameter((), {"beta": "5"}, TypeError, "beta", "5"),
+        ]
 
 
 @functional(SwishSign)
@@ -316,7 +374,8 @@ class MagnitudeAwareSign(JVPRule):
         check_float_array("magnitude_aware_sign", args)
 
     def primal(self, x: Array) -> Array:
-        return _magnitude(x) * _sign(x)
+        # No NaN select: the magnitude is already NaN wherever `x` is.
+        return _magnitude(x) * jnp.where(x >= 0, 1, -1).astype(x.dtype)
 
     def tangent(self, args, t_args, t_self, out, **kwargs):
         (x,) = args
@@ -339,6 +398,13 @@ class MagnitudeAwareSign(JVPRule):
     def examples(cls, key: PRNGKeyArray) -> Sequence[MagnitudeAwareSign]:
         return [cls(), cls(clip_value=0.5)]
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"clip_value": -0.5}, ValueError, "clip_value", -0.5),
+            BadHyperparameter((), {"clip_value": None}, TypeError, "clip_value", None),
+        ]
+
 
 @functional(MagnitudeAwareSign)
 def magnitude_aware_sign(x: ArrayLike, clip_value: float = 1.0) -> Array:
@@ -354,7 +420,8 @@ class SteTernary(_Elementwise):
     $$q = \begin{cases} +1 & x \ge \theta \\ -1 & x \le -\theta \\ 0 & \text{else}
     \end{cases}, \qquad \dot q = t \cdot [\lvert x \rvert \le c]$$
 
-    with $\theta$ = `threshold_value` and $c$ = `clip_value`, both inclusive.
+    with $\theta$ = `threshold_value` and $c$ = `clip_value`, both inclusive. A NaN
+    input gives NaN.
 
     **Arguments:**
 
@@ -393,14 +460,16 @@ class SteTernary(_Elementwise):
 
     def primal(self, x: Array) -> Array:
         th = self.threshold_value
-        return jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0)).astype(x.dtype)
+        q = jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0)).astype(x.dtype)
+        return jnp.where(jnp.isnan(x), x, q)
 
     def slope(self, x: Array) -> Array | None:
         return _inclusive(x, self.clip_value)
 
     def reference_forward(self, x: Array) -> Array:
         th = self.threshold_value
-        return (x >= th).astype(x.dtype) - (x <= -th).astype(x.dtype)
+        q = (x >= th).astype(x.dtype) - (x <= -th).astype(x.dtype)
+        return jnp.where(x == x, q, x)
 
     def reference_derivative(self, x: Array) -> Array:
         return _masked_identity(x, jnp.abs(x) <= self.clip_value)
@@ -408,6 +477,21 @@ class SteTernary(_Elementwise):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteTernary]:
         return [cls(), cls(threshold_value=0.5, clip_value=1.5)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter(
+                (), {"threshold_value": 0.0}, ValueError, "threshold_value", 0.0
+            ),
+            BadHyperparameter(
+                (), {"threshold_value": -0.1}, ValueError, "threshold_value", -0.1
+            ),
+            BadHyperparameter(
+                (), {"threshold_value": "a"}, TypeError, "threshold_value", "a"
+            ),
+            BadHyperparameter((), {"clip_value": -1.0}, ValueError, "clip_value", -1.0),
+        ]
 
 
 @functional(SteTernary)
@@ -424,6 +508,8 @@ class SteHeaviside(_Elementwise):
     activations.
 
     $$q = [x > 0], \qquad \dot q = t \cdot [\lvert x \rvert \le c]$$
+
+    A NaN input gives NaN.
 
     **Arguments:**
 
@@ -447,7 +533,7 @@ class SteHeaviside(_Elementwise):
         _check_clip_value("ste_heaviside", self.clip_value)
 
     def primal(self, x: Array) -> Array:
-        return (x > 0).astype(x.dtype)
+        return jnp.where(jnp.isnan(x), x, (x > 0).astype(x.dtype))
 
     def slope(self, x: Array) -> Array | None:
         return _inclusive(x, self.clip_value)
@@ -457,6 +543,13 @@ class SteHeaviside(_Elementwise):
 
     def reference_derivative(self, x: Array) -> Array:
         return _masked_identity(x, jnp.abs(x) <= self.clip_value)
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"clip_value": -1.0}, ValueError, "clip_value", -1.0),
+            BadHyperparameter((), {"clip_value": _INF}, ValueError, "clip_value", _INF),
+        ]
 
 
 @functional(SteHeaviside)
@@ -595,6 +688,19 @@ class SteQuantize(_Elementwise):
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteQuantize]:
         return [cls(), cls(bits=2, lo=-0.5, hi=1.5)]
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"bits": 0}, ValueError, "bits", 0),
+            BadHyperparameter((), {"bits": 2.5}, ValueError, "bits", 2.5),
+            BadHyperparameter((), {"bits": True}, ValueError, "bits", True),
+            BadHyperparameter((), {"lo": 1.0, "hi": 1.0}, ValueError, "lo", 1.0),
+            BadHyperparameter((), {"lo": 2.0, "hi": 1.0}, ValueError, "hi", 1.0),
+            BadHyperparameter((), {"lo": _NAN}, ValueError, "lo", _NAN),
+            BadHyperparameter((), {"hi": _INF}, ValueError, "hi", _INF),
+            BadHyperparameter((), {"lo": "a"}, TypeError, "lo", "a"),
+        ]
+
 
 @functional(SteQuantize)
 def ste_quantize(
@@ -659,6 +765,13 @@ class DoReFa(_Elementwise):
     def examples(cls, key: PRNGKeyArray) -> Sequence[DoReFa]:
         return [cls(), cls(bits=1)]
 
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"bits": 0}, ValueError, "bits", 0),
+            BadHyperparameter((), {"bits": "2"}, ValueError, "bits", "2"),
+        ]
+
 
 @functional(DoReFa)
 def dorefa_quantize(x: ArrayLike, bits: int = 2) -> Array:
@@ -690,6 +803,12 @@ class StochasticRound(_Elementwise):
     exact: ClassVar[bool] = False
     elementwise: ClassVar[bool] = True
     domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, kinks=(-1.0, 0.0, 1.0))
+
+    def __call__(
+        self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+    ) -> Array:
+        _needs_key("stochastic_round", key)
+        return super().__call__(*args, key=key, **kwargs)
 
     def primal(self, x: Array, *, key: PRNGKeyArray) -> Array:
         wide = _wide(x.dtype)
@@ -806,8 +925,9 @@ class StraightThrough(JVPRule):
     def tangent(self, args, t_args, t_self, out, **kwargs):
         (x,) = args
         (t_x,) = t_args
-        t_surrogate = None if t_self is None else t_self.surrogate
-        return partial_jvp(lambda s, x: s(x), (self.surrogate, x), (t_surrogate, t_x))
+        return partial_jvp(
+            lambda s, x: s(x), (self.surrogate, x), (t_self.surrogate, t_x)
+        )
 
     def reference_forward(self, x: Array) -> PyTree[Array]:
         return self.forward(x)
@@ -818,6 +938,13 @@ class StraightThrough(JVPRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[StraightThrough]:
         return [cls(_heaviside, jax.nn.sigmoid), cls(jnp.floor, _identity)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((3, jnp.tanh), {}, TypeError, "forward", 3),
+            BadHyperparameter((jnp.sign, "x"), {}, TypeError, "surrogate", "x"),
+        ]
 
 
 @functional(StraightThrough)
@@ -833,9 +960,12 @@ def straight_through(
 
 
 def _first_max(z: Array, axis: int) -> Array:
-    """One-hot of the first maximum along `axis`, without `argmax`."""
-    is_max = z == jnp.max(z, axis=axis, keepdims=True)
-    return (is_max & (jnp.cumsum(is_max, axis=axis) == 1)).astype(z.dtype)
+    """One-hot of the first maximum along `axis`, without `argmax`; a row holding a
+    NaN is NaN."""
+    m = jnp.max(z, axis=axis, keepdims=True)
+    is_max = z == m
+    one_hot = (is_max & (jnp.cumsum(is_max, axis=axis) == 1)).astype(z.dtype)
+    return jnp.where(m == m, one_hot, m)
 
 
 def _reference_softmax(z: Array, axis: int) -> Array:
@@ -844,10 +974,14 @@ def _reference_softmax(z: Array, axis: int) -> Array:
 
 
 def _one_hot_argmax(z: Array, axis: int, dtype: Any) -> Array:
+    """One-hot of `argmax(z)` along `axis`, in `dtype`; a row holding a NaN is NaN
+    (`argmax` would point at the NaN as if it were the maximum)."""
     axis = axis % z.ndim
-    return jax.nn.one_hot(
+    one_hot = jax.nn.one_hot(
         jnp.argmax(z, axis=axis), z.shape[axis], dtype=dtype, axis=axis
     )
+    m = jnp.max(z, axis=axis, keepdims=True).astype(dtype)
+    return jnp.where(jnp.isnan(m), m, one_hot)
 
 
 class StraightThroughOneHot(JVPRule):
@@ -858,8 +992,9 @@ class StraightThroughOneHot(JVPRule):
     \dot q = \partial \operatorname{softmax}(\ell)\, t
     = s \odot (t - \langle s, t \rangle), \quad s = \operatorname{softmax}(\ell)$$
 
-    along `axis`. Ties go to the first maximum. Not elementwise: takes one
-    floating-point array of logits.
+    along `axis`. Ties go to the first maximum; a NaN anywhere along `axis` makes
+    that whole row of the value NaN. Not elementwise: takes one floating-point array
+    of logits, with at least one axis (`axis` must be in range, else a `ValueError`).
 
     **Arguments:**
 
@@ -885,7 +1020,7 @@ class StraightThroughOneHot(JVPRule):
         _check_axis("straight_through_onehot", self.axis)
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
-        check_float_array("straight_through_onehot", args)
+        _check_logits("straight_through_onehot", self.axis, args)
 
     def primal(self, logits: Array) -> Array:
         return _one_hot_argmax(logits, self.axis, logits.dtype)
@@ -902,6 +1037,13 @@ class StraightThroughOneHot(JVPRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[StraightThroughOneHot]:
         return [cls(), cls(axis=0)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"axis": 1.5}, TypeError, "axis", 1.5),
+            BadHyperparameter((), {"axis": True}, TypeError, "axis", True),
+        ]
 
 
 @functional(StraightThroughOneHot)
@@ -925,7 +1067,8 @@ class GumbelSoftmax(JVPRule):
 
     With `hard=False` the derivative is exact. Finite for any finite logits (±1e4
     included): the noise is bounded and the softmax is computed stably, in at least
-    float32, and cast to the logits' dtype.
+    float32, and cast to the logits' dtype. A NaN anywhere along `axis` makes that
+    whole row of the value NaN.
 
     **Arguments:**
 
@@ -967,8 +1110,14 @@ class GumbelSoftmax(JVPRule):
     def is_exact(self) -> bool:
         return not self.hard
 
+    def __call__(
+        self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+    ) -> Array:
+        _needs_key("gumbel_softmax", key)
+        return super().__call__(*args, key=key, **kwargs)
+
     def _check_call(self, args: tuple[Any, ...]) -> None:
-        check_float_array("gumbel_softmax", args)
+        _check_logits("gumbel_softmax", self.axis, args)
 
     def _perturbed(self, logits: Array, key: PRNGKeyArray) -> Array:
         wide = _wide(logits.dtype)
@@ -1006,6 +1155,16 @@ class GumbelSoftmax(JVPRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[GumbelSoftmax]:
         return [cls(), cls(tau=0.5, hard=False, axis=0)]
+
+    @classmethod
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
+        return [
+            BadHyperparameter((), {"tau": 0.0}, ValueError, "tau", 0.0),
+            BadHyperparameter((), {"tau": -1.0}, ValueError, "tau", -1.0),
+            BadHyperparameter((), {"tau": _INF}, ValueError, "tau", _INF),
+            BadHyperparameter((), {"hard": "yes"}, TypeError, "hard", "yes"),
+            BadHyperparameter((), {"axis": 0.5}, TypeError, "axis", 0.5),
+        ]
 
 
 @functional(GumbelSoftmax)
