@@ -554,6 +554,20 @@ def check_float_array(rule: str, args: tuple[Any, ...]) -> None:
         )
 
 
+def check_axis(
+    rule: str, axis: int | tuple[int, ...], shape: tuple[int, ...], argument: str
+) -> None:
+    """Raise a `ValueError` naming `rule`, `axis` and the shape unless every axis in
+    `axis` indexes an array of `shape` (checked at call time: deep inside `jnp`, a
+    bad axis is an error naming neither)."""
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    if not all(-len(shape) <= a < len(shape) for a in axes):
+        raise ValueError(
+            f"`{rule}`: `axis` (={axis!r}) is out of range for `{argument}` of shape "
+            f"{tuple(shape)}."
+        )
+
+
 def validate_positive(rule: str, name: str, value: Any, *, allow_zero: bool) -> None:
     """Raise a `ValueError` naming `rule`, `name` and `value` unless `value` is
     finite and positive (or zero, with `allow_zero`)."""

@@ -17,6 +17,7 @@ from .._catalogue import (
     Domain,
     JVPRule,
     PytreeRule,
+    check_axis,
     functional,
     map_tangent,
     no_tangent,
@@ -332,15 +333,9 @@ class Standardize(PytreeRule):
     def _check_call(self, args: tuple[Any, ...]) -> None:
         # Checked here, at call time: deep inside `jnp.std` a bad axis is an
         # `IndexError` that names neither the rule nor the axis.
-        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
         for leaf in jtu.tree_leaves(args):
-            if eqx.is_inexact_array(leaf) and not all(
-                -leaf.ndim <= a < leaf.ndim for a in axes
-            ):
-                raise ValueError(
-                    f"`{self.rule_name()}`: `axis` (={self.axis!r}) is out of range "
-                    f"for `x` of shape {leaf.shape}."
-                )
+            if eqx.is_inexact_array(leaf):
+                check_axis(self.rule_name(), self.axis, leaf.shape, "x")
 
     def _denominator(self, x: Array) -> Array:
         std = jnp.std(_wide(jax.lax.stop_gradient(x)), axis=self.axis, keepdims=True)

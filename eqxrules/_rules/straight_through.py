@@ -33,6 +33,7 @@ from .._catalogue import (
     BadHyperparameter,
     Domain,
     JVPRule,
+    check_axis,
     check_float_array,
     functional,
     partial_jvp,
@@ -69,12 +70,7 @@ def _check_axis(rule: str, axis: Any) -> None:
 
 def _check_logits(rule: str, axis: int, args: tuple[Any, ...]) -> None:
     check_float_array(rule, args)
-    shape = jnp.shape(args[0])
-    if not -len(shape) <= axis < len(shape):
-        raise ValueError(
-            f"`{rule}`: `axis` (={axis!r}) is out of range for `logits` of shape "
-            f"{shape}."
-        )
+    check_axis(rule, axis, jnp.shape(args[0]), "logits")
 
 
 def _needs_key(rule: str, key: Any) -> None:
