@@ -5,6 +5,9 @@ import sys
 
 import pytest
 
+# Several test processes may share one GPU: take memory as needed, not 75% each.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # The property suite is jit-compiled on whatever backend JAX finds; keep hypothesis
 # deterministic and bounded so the suite stays well inside CI's time.
 from hypothesis import HealthCheck, settings

@@ -243,7 +243,7 @@ def _run_stage(root: pathlib.Path, stage: str, entry: str) -> tuple[int, str]:
     env["PYTHONPATH"] = str(root)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", stage, "-x", "-q", "-k", entry],
+        [sys.executable, "-m", "pytest", stage, "-x", "-q", "-n0", "-k", entry],
         cwd=root,
         env=env,
         capture_output=True,
