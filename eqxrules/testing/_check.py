@@ -2,6 +2,14 @@
 
 Each check is a small function over the same prepared problem (`_Problem`); each
 reports separately, and a rule that raises inside a check fails that check only.
+
+Speed: compiling dominates a check, so random tangents and cotangents are drawn, and
+the checks' own arithmetic (perturbed points, linear combinations, comparisons) done,
+in NumPy on the host, never as eager JAX operations (each of which compiles a program
+per leaf shape). Only the rule and its references run under `jax.jit`, and each
+jitted function is compiled once and shared by the checks that need it. Nothing is
+cached across calls: a cache keyed on the function would go stale when a closure's
+variables change, and a checker must never report on an old version of a rule.
 """
 
 from __future__ import annotations
@@ -215,8 +223,8 @@ def _compare(
         if floor is not None:
             fr, ft_ = _tolerance(floor, rtol, atol)
             r, t = max(r, fr), max(t, ft_)
-        an = np.asarray(jnp.asarray(a, jnp.float64 if _x64() else jnp.float32))
-        en = np.asarray(jnp.asarray(e, an.dtype))
+        an = np.asarray(a).astype(np.float64 if _x64() else np.float32)
+        en = np.asarray(e).astype(an.dtype)
         sn = np.abs(en) if s is None else np.asarray(s, an.dtype)
         a_nan, e_nan = np.isnan(an), np.isnan(en)
         if np.any(a_nan != e_nan):
@@ -256,15 +264,36 @@ def _x64() -> bool:
     return jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
 
 
-def _random_like(key: PRNGKeyArray, tree: Any) -> Any:
-    """Standard-normal arrays shaped like the inexact leaves of `tree`; float0 zeros
-    for the other array leaves; `None` elsewhere."""
+def _entropy(key: PRNGKeyArray | None) -> list[int]:
+    """The bits of a PRNG key (typed or raw `uint32`), to seed NumPy with."""
+    if key is None:
+        return [0, 0]  # the bits of `jax.random.key(0)`
+    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return [int(b) for b in np.asarray(key).ravel()]
+
+
+def _device(tree: Any) -> Any:
+    """NumPy leaves of `tree` as JAX arrays (a transfer, no compiled program), so a
+    rule never sees NumPy semantics; float0 leaves stay NumPy, as JAX has them."""
+
+    def put(x: Any) -> Any:
+        if isinstance(x, np.ndarray) and x.dtype != jax.dtypes.float0:
+            return jax.device_put(x)
+        return x
+
+    return jtu.tree_map(put, tree)
+
+
+def _random_like(rng: np.random.Generator, tree: Any) -> Any:
+    """Standard-normal arrays, drawn on the host, shaped like the inexact leaves of
+    `tree`; float0 zeros for the other array leaves; `None` elsewhere."""
     leaves, treedef = jtu.tree_flatten(tree, is_leaf=_is_none)
-    keys = jax.random.split(key, max(len(leaves), 1))
     out = []
-    for k, leaf in zip(keys, leaves):
+    for leaf in leaves:
         if eqx.is_inexact_array(leaf):
-            out.append(jax.random.normal(k, leaf.shape, jnp.float32).astype(leaf.dtype))
+            x = rng.standard_normal(np.shape(leaf), dtype=np.float32)
+            out.append(jax.device_put(x.astype(jnp.dtype(leaf.dtype))))
         elif eqx.is_array(leaf):
             out.append(np.zeros(leaf.shape, jax.dtypes.float0))
         else:
@@ -337,12 +366,18 @@ class _Problem:
         self.derivative = derivative
         self.reference_vjp = reference_vjp
         self.rtol, self.atol = rtol, atol
-        k_t, k_t2, k_ct, k_b, k_fd = jax.random.split(key, 5)
-        self.keys = dict(t2=k_t2, batch=k_b, fd=k_fd)
-        self.t = _random_like(k_t, self.diff)
+        streams = ("t", "t2", "ct", "batch", "fd")
+        seeds = np.random.SeedSequence(_entropy(key)).spawn(len(streams))
+        self.seeds: dict[str, np.random.SeedSequence] = dict(zip(streams, seeds))
+        self.t = _random_like(self.rng("t"), self.diff)
         self.out = self.f(self.diff)
-        self.ct = _random_like(k_ct, self.out)
+        self.ct = _random_like(self.rng("ct"), self.out)
         self.forward_mode: bool | None = None
+
+    def rng(self, stream: str) -> np.random.Generator:
+        """A fresh generator per use, so a check's draws do not depend on which
+        checks ran before it."""
+        return np.random.default_rng(self.seeds[stream])
 
     def combine(self, d: Any) -> tuple[Any, ...]:
         return eqx.combine(d, self.static)
@@ -361,9 +396,12 @@ class _Problem:
         _, pullback = jax.vjp(fn or self.f, d)
         return pullback(ct)[0]
 
-    def reference_cotangent(self, ct: Any) -> Any:
+    def reference_cotangent(self, d: Any, ct: Any) -> Any:
+        # `d` is an argument (not `self.diff` closed over) so that, under `jax.jit`,
+        # the point is not a constant for XLA to fold: folding a large model's
+        # weights into the program costs seconds.
         if self.reference_vjp is not None:
-            ref = self.reference_vjp(ct, *self.args)
+            ref = self.reference_vjp(ct, *self.combine(d))
             # `None` may stand for a whole subtree (the rule Module, say).
             ref = jtu.tree_map(
                 lambda r, d: jtu.tree_map(lambda _: None, d) if r is None else r,
@@ -372,7 +410,7 @@ class _Problem:
                 is_leaf=_is_none,
             )
             return _fill(eqx.filter(ref, eqx.is_array), self.diff)
-        return self.vjp(self.diff, ct, self.g)
+        return self.vjp(d, ct, self.g)
 
     # Each jitted function is compiled once per problem and shared by the checks.
     @ft.cached_property
@@ -419,13 +457,14 @@ def _check_jvp(p: _Problem) -> dict[str, Any] | str:
 
 
 def _check_linearity(p: _Problem) -> dict[str, Any] | str:
-    t2 = _random_like(p.keys["t2"], p.diff)
-    combo = jtu.tree_map(lambda a, b: 2 * a - b / 2, p.t, t2)
+    t2 = _random_like(p.rng("t2"), p.diff)
+    combo = _device(jtu.tree_map(_host_combination, p.t, t2))
     j1, j2, j12 = p.rule_jvp, p.jvp_jit(p.diff, t2), p.jvp_jit(p.diff, combo)
-    expected = jtu.tree_map(lambda a, b: 2 * a - b / 2, j1, j2)
+    expected = jtu.tree_map(_host_combination, j1, j2)
     scale = jtu.tree_map(
         lambda a, b: (
-            2 * jnp.abs(a).astype(jnp.float32) + jnp.abs(b).astype(jnp.float32) / 2
+            2 * np.abs(np.asarray(a)).astype(np.float32)
+            + np.abs(np.asarray(b)).astype(np.float32) / 2
         ),
         j1,
         j2,
@@ -433,10 +472,18 @@ def _check_linearity(p: _Problem) -> dict[str, Any] | str:
     return p.compare(j12, expected, "jvp(out)", scale=scale)
 
 
+def _host_combination(a: Any, b: Any) -> Any:
+    """`2 a - b / 2` in NumPy, in the leaves' dtype; float0 leaves pass through."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == jax.dtypes.float0:
+        return a
+    return 2 * a - b / 2
+
+
 def _check_vjp(p: _Problem) -> dict[str, Any] | str:
     if p.derivative is None and p.reference_vjp is None:
         return "no `derivative` or `reference_vjp` reference given"
-    expected = jax.jit(p.reference_cotangent)(p.ct)
+    expected = jax.jit(p.reference_cotangent)(p.diff, p.ct)
     return p.compare(p.rule_vjp, expected, "args", check_dtype=False)
 
 
@@ -464,33 +511,48 @@ def _check_finite_differences(p: _Problem, num_directions: int) -> dict[str, Any
     x64 = jax.enable_x64(True) if hasattr(jax, "enable_x64") else None
     have_x64 = x64 is not None
     rtol, atol, eps = FINITE_DIFFERENCE_TOLERANCES[have_x64]
+    forward_mode = bool(p.forward_mode)
     worst: dict[str, Any] = {}
     with x64 if x64 is not None else _null():
-        wide = jnp.float64 if have_x64 else jnp.float32
-        d = jtu.tree_map(lambda x: jnp.asarray(x, wide), p.diff)
-        ct = jtu.tree_map(
-            lambda x: jnp.asarray(x, wide) if eqx.is_inexact_array(x) else x, p.ct
+        wide = np.float64 if have_x64 else np.float32
+        d = _device(jtu.tree_map(lambda x: np.asarray(x).astype(wide), p.diff))
+        ct = _device(
+            jtu.tree_map(
+                lambda x: np.asarray(x).astype(wide) if eqx.is_inexact_array(x) else x,
+                p.ct,
+            )
         )
+        # The points are perturbed on the host, so that one compiled `f` serves
+        # every evaluation (a program holding all of them compiles slower).
         f, jvp, vjp = jax.jit(p.f), jax.jit(p.jvp), jax.jit(p.vjp)
-        for k in jax.random.split(p.keys["fd"], num_directions):
-            v = _random_like(k, d)
-            norm = np.sqrt(sum(float(jnp.sum(x**2)) for x in jtu.tree_leaves(v)))
+        rng = p.rng("fd")
+        host_d = jtu.tree_map(np.asarray, d)
+        ct_vjp = None
+        for _ in range(num_directions):
+            v = jtu.tree_map(np.asarray, _random_like(rng, d))
+            norm = np.sqrt(sum(float(np.sum(x**2)) for x in jtu.tree_leaves(v)))
             v = jtu.tree_map(lambda x: x / norm, v)
-            plus = f(jtu.tree_map(lambda x, y: x + eps * y, d, v))
-            minus = f(jtu.tree_map(lambda x, y: x - eps * y, d, v))
+            plus = f(_device(jtu.tree_map(lambda x, y: x + eps * y, host_d, v)))
+            minus = f(_device(jtu.tree_map(lambda x, y: x - eps * y, host_d, v)))
             fd = jtu.tree_map(
-                lambda a, b: (a - b) / (2 * eps) if eqx.is_inexact_array(a) else None,
+                lambda a, b: (
+                    (np.asarray(a) - np.asarray(b)) / (2 * eps)
+                    if eqx.is_inexact_array(a)
+                    else None
+                ),
                 plus,
                 minus,
             )
-            if p.forward_mode:
+            v = _device(v)
+            if forward_mode:
                 jv = jtu.tree_map(_float_or_none, jvp(d, v))
                 worst = _compare(
                     jv, fd, prefix="jvp(out)", rtol=rtol, atol=atol, check_dtype=False
                 )
             else:
+                ct_vjp = vjp(d, ct) if ct_vjp is None else ct_vjp
                 lhs, s1 = _vdot(ct, fd)
-                rhs, s2 = _vdot(vjp(d, ct), v)
+                rhs, s2 = _vdot(ct_vjp, v)
                 worst = dict(
                     path="<ct, finite difference> vs <J^T ct, v>",
                     max_abs_error=abs(lhs - rhs),
@@ -516,31 +578,38 @@ class _null:
 
 
 def _stack(trees: Sequence[Any]) -> Any:
-    return jtu.tree_map(lambda *xs: jnp.stack(xs), *trees)
+    return _device(
+        jtu.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
+    )
 
 
 def _check_batching(p: _Problem) -> dict[str, Any]:
-    keys = jax.random.split(p.keys["batch"], 2 * _BATCH)
+    rng = p.rng("batch")
     ds = [p.diff] + [
-        jtu.tree_map(
-            lambda x, n: x + (n / 20).astype(x.dtype), p.diff, _random_like(k, p.diff)
+        _device(
+            jtu.tree_map(
+                lambda x, n: np.asarray(x) + (np.asarray(n) / 20).astype(x.dtype),
+                p.diff,
+                _random_like(rng, p.diff),
+            )
         )
-        for k in keys[1:_BATCH]
+        for _ in range(1, _BATCH)
     ]
-    cts = [p.ct] + [_random_like(k, p.out) for k in keys[_BATCH + 1 :]]
+    cts = [p.ct] + [_random_like(rng, p.out) for _ in range(1, _BATCH)]
     cts = [_drop_float0(c) for c in cts]
-    D, CT = _stack(ds), _stack(cts)
-    batched = jax.jit(jax.vmap(lambda d, ct: p.vjp(d, _restore_float0(ct, p.ct))))(
+    ts = [p.t] + [_random_like(rng, p.diff) for _ in range(1, _BATCH)]
+    D, CT, T = _stack(ds), _stack(cts), _stack(ts)
+
+    batched_vjp = jax.jit(jax.vmap(lambda d, ct: p.vjp(d, _restore_float0(ct, p.ct))))(
         D, CT
     )
     looped = _stack([p.vjp_jit(d, _restore_float0(c, p.ct)) for d, c in zip(ds, cts)])
-    worst = p.compare(batched, looped, "vmap(vjp)(args)")
+    worst = p.compare(batched_vjp, looped, "vmap(vjp)(args)")
     if p.forward_mode:
-        ts = [p.t] + [_random_like(k, p.diff) for k in keys[_BATCH + 1 :]]
-        batched = jax.jit(jax.vmap(p.jvp))(D, _stack(ts))
         looped = _stack([p.jvp_jit(d, t) for d, t in zip(ds, ts)])
+        batched_jvp = jax.jit(jax.vmap(p.jvp))(D, T)
         p.compare(
-            jtu.tree_map(_float_or_none, batched),
+            jtu.tree_map(_float_or_none, batched_jvp),
             jtu.tree_map(_float_or_none, looped),
             "vmap(jvp)(out)",
         )
@@ -570,8 +639,8 @@ def _check_jit(p: _Problem) -> dict[str, Any]:
 
 
 def _check_zero_cotangent(p: _Problem) -> dict[str, Any]:
-    zeros = jtu.tree_map(
-        lambda c: jnp.zeros_like(c) if eqx.is_inexact_array(c) else c, p.ct
+    zeros = _device(
+        jtu.tree_map(lambda c: np.zeros_like(c) if eqx.is_inexact_array(c) else c, p.ct)
     )
     grads = p.vjp_jit(p.diff, zeros)
     for path, g in jtu.tree_flatten_with_path(grads)[0]:
@@ -696,7 +765,6 @@ def check_rule(
         )
     if finite_differences is None:
         finite_differences = derivative is None and reference_vjp is None
-    key = jax.random.key(0) if key is None else key
 
     try:
         problem = _Problem(

@@ -1,0 +1,116 @@
+"""Zero overhead, as XLA counts it: a rule costs the flops and temp bytes of the same
+maths written as a plain `jax.custom_jvp` (`custom_vjp`), inside a jitted
+forward+backward. These figures are deterministic (no wall clock), so they can be
+tested; `benchmarks/run.py` reports them for every rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools as ft
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqxrules
+
+_RUN = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+
+def _load_benchmarks():
+    spec = importlib.util.spec_from_file_location("eqxrules_benchmarks", _RUN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmarks()
+SIZES = dataclasses.replace(bench.QUICK, width=16, depth=2, batch=8, cnn_batch=4)
+ENTRIES = {e.name: e for e in eqxrules.catalogue()}
+
+
+@pytest.fixture(autouse=True)
+def _random_digits(monkeypatch):
+    # Integer images like scikit-learn's digits, without importing scikit-learn.
+    rng = np.random.default_rng(0)
+    data = (
+        rng.integers(0, 17, (64, 64)).astype(np.float32),
+        rng.integers(0, 10, 64).astype(np.int32),
+    )
+    monkeypatch.setattr(bench, "_digits", lambda: data)
+
+
+def _rule(name: str, index: int = 0):
+    if name not in ENTRIES:
+        pytest.skip(f"`{name}` is not in the catalogue")
+    return ENTRIES[name].examples(jax.random.key(0))[index]
+
+
+def _figures(loss, params, data) -> tuple[float, int]:
+    f = bench.xla_figures(jax.value_and_grad(loss), params, data)
+    return f["flops"], f["temp"]
+
+
+def _costs(case) -> dict[str, tuple[float, int]]:
+    return {
+        v: _figures(case.losses[v], case.params, case.data)
+        for v in ("eqxrules", "hand")
+    }
+
+
+def test_scaled_model_around_an_mlp_costs_what_hand_written_costs():
+    for case in bench.scaled_model_cases(SIZES)[:2]:  # exact, skip_scale
+        costs = _costs(case)
+        assert costs["eqxrules"] == costs["hand"], case.rule
+
+
+@pytest.mark.parametrize("name", ["ste_sign", "gradient_reversal", "clip_gradient"])
+def test_rule_in_a_network_costs_what_hand_written_costs(name):
+    """`ste_sign` in a binarised MLP, `gradient_reversal` (a JVP rule) and
+    `clip_gradient` (a VJP rule) in a two-head net."""
+    if name not in ENTRIES:
+        pytest.skip(f"`{name}` is not in the catalogue")
+    (case,) = bench.cases_for(ENTRIES[name], SIZES, [0], cnn=False)
+    costs = _costs(case)
+    assert costs["eqxrules"] == costs["hand"], costs
+
+
+def test_rule_saves_the_residuals_hand_written_saves():
+    rule = _rule("ste_sign")
+    variants = bench.build_variants(rule, {})
+    x = jnp.linspace(-2.0, 2.0, 64).reshape(8, 8)
+
+    def saved(v):
+        f = ft.partial(variants[v], None)
+        return [(a.shape, a.dtype) for a, _ in bench._saved_residuals(f, x)]
+
+    assert saved("eqxrules") == saved("hand")
+
+
+def test_a_wasteful_hand_written_rule_is_told_apart():
+    """The planted defect: the same rule whose tangent is also multiplied by
+    `1 + 0 * sin(x)`. XLA cannot drop that (`0 * inf` is NaN), so the flop counts
+    differ and the equality above would fail for such a rule."""
+    rule = _rule("ste_sign")
+
+    @jax.custom_jvp
+    def wasteful(x):
+        return rule.primal(x)
+
+    @wasteful.defjvp
+    def wasteful_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = rule.primal(x)
+        return out, rule.tangent((x,), (t,), None, out) * (1 + 0 * jnp.sin(x))
+
+    ws = bench.mlp_weights(SIZES)
+    data = bench.digits_batch(SIZES.batch)
+    ours = _figures(bench.binarised_mlp_loss(rule), ws, data)
+    theirs = _figures(bench.binarised_mlp_loss(wasteful), ws, data)
+    assert ours[0] < theirs[0]
