@@ -32,7 +32,7 @@ def test_quick_start_has_exactly_two_commands():
     commands = [line for line in quick.splitlines() if line.strip()]
     assert len(commands) == 2
     assert "python -m eqxrules" in commands[0]
-    assert "pytest" in commands[1] and "[test]" in commands[1]
+    assert "pytest" in commands[1] and "[test,examples]" in commands[1]
 
 
 def test_thirty_second_example_runs():
