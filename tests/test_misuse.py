@@ -112,6 +112,28 @@ def test_invalid_hyperparameter(module, bad):
     _assert_names(str(info.value), _names(module), *shown)
 
 
+def _keyword_rows() -> list[Any]:
+    """The declared invalid rows that are keyword hyperparameters alone: those the
+    functional form takes as keywords too (`ste_sign(x, clip_value=...)`)."""
+    return [
+        pytest.param(entry, bad, id=f"{entry.name}-{bad.argument}={bad.value!r}-{i}")
+        for entry in ENTRIES
+        for i, bad in enumerate(entry.module.invalid_hyperparameters(KEY))
+        if not bad.args
+    ]
+
+
+@pytest.mark.parametrize("entry,bad", _keyword_rows())
+def test_invalid_hyperparameter_at_call(entry, bad):
+    """The functional form rejects the same values when it is called."""
+    x = _sample(entry)
+    call_kwargs = _examples(entry)[0].call_kwargs(CALL_KEY)
+    with pytest.raises(bad.error) as info:
+        entry.function(x, **call_kwargs, **bad.kwargs)
+    shown = [f"`{bad.argument}`"] + ([] if bad.value is None else [f"={bad.value!r}"])
+    _assert_names(str(info.value), _names(entry.module), *shown)
+
+
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_every_hyperparameter_has_an_invalid_value(entry):
     """Every static field (hyperparameter) of a rule is the `argument` of at least
