@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import core
-from jax._src.interpreters import ad as _ad
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 _T = TypeVar("_T")
@@ -88,19 +87,8 @@ class Domain:
         return jnp.asarray(x, dtype=dtype)
 
 
-def _is_forward_mode_tracer(x: Any) -> bool:
-    # Walk a tracer's nesting (vmap, linearize, jit) looking for a JVP tracer: these
-    # appear under `jax.jvp`, `jacfwd` and `hessian`, never under reverse mode alone.
-    while isinstance(x, core.Tracer):
-        if isinstance(x, _ad.JVPTracer):
-            return True
-        if hasattr(x, "primal"):
-            x = x.primal
-        elif hasattr(x, "val"):
-            x = x.val
-        else:
-            return False
-    return False
+# JAX's own words when forward mode meets a `custom_vjp` (stable since jax 0.2).
+_JAX_REVERSE_ONLY = "can't apply forward-mode autodiff"
 
 
 def partial_jvp(
@@ -171,6 +159,36 @@ class BadHyperparameter(NamedTuple):
     error: type[Exception]
     argument: str
     value: Any = None
+
+
+@ft.cache
+def _key_parameter(cls: type) -> str | None:
+    """How `cls.primal` takes a PRNG key: `"required"` (a `key` parameter without a
+    default), `"optional"` (with one) or `None` (no `key` parameter)."""
+    param = inspect.signature(cls.primal).parameters.get("key")
+    if param is None:
+        return None
+    return "required" if param.default is param.empty else "optional"
+
+
+def takes_key(f: Callable[..., Any]) -> bool:
+    """Whether `f` accepts a `key=` keyword (by name or through `**kwargs`)."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == "key" and p.kind is not p.POSITIONAL_ONLY)
+        for p in params
+    )
+
+
+def call_with_key(f: Callable[..., _T], x: Any, key: PRNGKeyArray | None) -> _T:
+    """`f(x, key=key)` if a key was given and `f` takes one (an Equinox layer with
+    dropout inside a wrapper rule, say), else `f(x)`."""
+    if key is None or not takes_key(f):
+        return f(x)
+    return f(x, key=key)
 
 
 @ft.cache
@@ -277,6 +295,26 @@ class Rule(eqx.Module):
         if self.elementwise:
             check_float_array(self.rule_name(), args)
 
+    def _key_kwargs(self, key: PRNGKeyArray | None) -> dict[str, Any]:
+        # Every rule accepts `key=` so that it can sit in `eqx.nn.Sequential` (which
+        # passes one to each layer); only a rule whose `primal` takes it receives it.
+        need = _key_parameter(type(self))
+        if need is None:
+            return {}
+        if need == "required" and key is None:
+            raise TypeError(
+                f"`{self.rule_name()}` needs a PRNG key: call it as `m(x, key=key)`."
+            )
+        return {"key": key}
+
+    def _prepare(
+        self, args: tuple[Any, ...], key: PRNGKeyArray | None, kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self._check_arity(args)
+        args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
+        self._check_call(args)
+        return args, {**kwargs, **self._key_kwargs(key)}
+
 
 class JVPRule(Rule):
     """A rule with a custom JVP (`eqx.filter_custom_jvp`): forward and reverse mode.
@@ -298,10 +336,12 @@ class JVPRule(Rule):
     ) -> Any:
         raise NotImplementedError
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_arity(args)
-        args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
-        self._check_call(args)
+    def __call__(
+        self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+    ) -> Any:
+        """Apply the rule. `key` is a PRNG key for rules that draw random numbers;
+        every other rule accepts and ignores it, as an Equinox layer does."""
+        args, kwargs = self._prepare(args, key, kwargs)
         return apply_jvp_rule(self, *args, **kwargs)
 
 
@@ -326,18 +366,26 @@ class VJPRule(Rule):
         """Cotangents for `args`, one per argument (`None` for a zero one)."""
         raise NotImplementedError
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_arity(args)
-        args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
-        self._check_call(args)
-        if any(_is_forward_mode_tracer(x) for x in jtu.tree_leaves((self, args))):
+    def __call__(
+        self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+    ) -> Any:
+        """Apply the rule. `key` is accepted (and ignored unless `primal` takes it)
+        so that the rule can sit in `eqx.nn.Sequential`."""
+        args, kwargs = self._prepare(args, key, kwargs)
+        # Forward mode is not detected by inspecting tracers (their classes are
+        # private and differ between JAX versions: before 0.7 `grad` used the same
+        # JVP tracer as `jvp`). Instead JAX's own error, raised when `jvp` meets the
+        # custom VJP during this call, is re-raised with the rule's name.
+        try:
+            return apply_vjp_rule((self, args), **kwargs)
+        except TypeError as e:
+            if _JAX_REVERSE_ONLY not in str(e):
+                raise
             raise TypeError(
                 f"`{self.rule_name()}` {REVERSE_ONLY_MESSAGE}: its backward pass is "
                 "not linear in the cotangent, so it has no JVP. Use `jax.grad`, "
-                "`jax.vjp` or `jax.jacrev` instead of `jax.jvp`, `jax.jacfwd`, "
-                "`jax.hessian` or `jax.linearize`."
-            )
-        return apply_vjp_rule((self, args), **kwargs)
+                "`jax.vjp` or `jax.jacrev` instead of `jax.jvp` or `jax.jacfwd`."
+            ) from e
 
 
 def no_tangent(out: PyTree) -> PyTree:
@@ -368,13 +416,15 @@ class PytreeRule(JVPRule):
     elementwise: ClassVar[bool] = False
     pytree_input: ClassVar[bool] = True
 
-    def __call__(self, *args: PyTree, **kwargs: Any) -> PyTree:
+    def __call__(
+        self, *args: PyTree, key: PRNGKeyArray | None = None, **kwargs: Any
+    ) -> PyTree:
         self._check_arity(args)
         (x,) = args
         if isinstance(x, float):
             x = jnp.asarray(x)
         arrays, other = eqx.partition(x, eqx.is_array)
-        return eqx.combine(super().__call__(arrays, **kwargs), other)
+        return eqx.combine(super().__call__(arrays, key=key, **kwargs), other)
 
 
 @eqx.filter_custom_jvp

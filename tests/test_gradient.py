@@ -239,17 +239,12 @@ def test_zero_nonfinite_gradient_on_a_pytree():
 
 
 @pytest.mark.parametrize("name", REVERSE_ONLY)
-@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
 def test_reverse_only_rule_names_itself_under_forward_mode(name, transform):
     f = REVERSE_ONLY[name]
-
-    def scalar(x):
-        return jnp.sum(f(x) ** 2)
-
     run = {
         "jvp": lambda: jax.jvp(f, (X,), (X,)),
         "jacfwd": lambda: jax.jacfwd(f)(X),
-        "hessian": lambda: jax.hessian(scalar)(X),
     }[transform]
     with pytest.raises(TypeError, match=f"`{name}` supports reverse mode only"):
         run()

@@ -607,7 +607,8 @@ def _reverse_only(case: Case, dtype: str) -> None:
     def F(x):
         return _loss(case.f(rule, x))
 
-    with pytest.raises(TypeError, match=_reverse_only_match(case.entry)):
+    # Under `jit`, JAX raises its own error when lowering, outside the rule's call.
+    with pytest.raises(TypeError, match="custom_vjp|supports reverse mode only"):
         jax.jit(lambda x: jax.jvp(F, (x,), (x,)))(x)
     with pytest.raises(TypeError, match=_reverse_only_match(case.entry)):
         jax.vmap(jax.jacfwd(F))(xs)

@@ -12,7 +12,14 @@ import numpy as np
 from jax import core
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree
 
-from .._catalogue import BadHyperparameter, Domain, JVPRule, functional, partial_jvp
+from .._catalogue import (
+    BadHyperparameter,
+    Domain,
+    JVPRule,
+    call_with_key,
+    functional,
+    partial_jvp,
+)
 
 Mode = Literal["exact", "skip_scale", "stop_input"]
 _MODES = ("exact", "skip_scale", "stop_input")
@@ -116,10 +123,10 @@ class ScaledModel(JVPRule):
                 f"shape {x_shape}."
             )
 
-    def primal(self, x: Array) -> PyTree[Array]:
-        return self.sub_model(x / self.scale)
+    def primal(self, x: Array, *, key: PRNGKeyArray | None = None) -> PyTree[Array]:
+        return call_with_key(self.sub_model, x / self.scale, key)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(self, args, t_args, t_self, out, *, key=None):
         (x,) = args
         (t_x,) = t_args
         # `eqx.filter_custom_jvp` passes `t_self` shaped like the Module (`None` in
@@ -128,26 +135,36 @@ class ScaledModel(JVPRule):
         if self.mode == "exact":
             t_scale = t_self.scale
             return partial_jvp(
-                lambda sub, scale, x: sub(x / scale),
+                lambda sub, scale, x: call_with_key(sub, x / scale, key),
                 (self.sub_model, self.scale, x),
                 (t_sub, t_scale, t_x),
             )
         u = x / self.scale
         if self.mode == "skip_scale":
-            return partial_jvp(lambda sub, u: sub(u), (self.sub_model, u), (t_sub, t_x))
-        return partial_jvp(lambda sub: sub(u), (self.sub_model,), (t_sub,))
+            return partial_jvp(
+                lambda sub, u: call_with_key(sub, u, key),
+                (self.sub_model, u),
+                (t_sub, t_x),
+            )
+        return partial_jvp(
+            lambda sub: call_with_key(sub, u, key), (self.sub_model,), (t_sub,)
+        )
 
-    def reference_forward(self, x: Array) -> PyTree[Array]:
-        return self.sub_model(x / self.scale)
+    def reference_forward(
+        self, x: Array, *, key: PRNGKeyArray | None = None
+    ) -> PyTree[Array]:
+        return call_with_key(self.sub_model, x / self.scale, key)
 
-    def reference_derivative(self, x: Array) -> PyTree[Array]:
+    def reference_derivative(
+        self, x: Array, *, key: PRNGKeyArray | None = None
+    ) -> PyTree[Array]:
         sg = jax.lax.stop_gradient
         if self.mode == "exact":
-            return self.sub_model(x / self.scale)
+            return call_with_key(self.sub_model, x / self.scale, key)
         if self.mode == "skip_scale":
             # Value at exactly x / scale; derivative in x the identity.
-            return self.sub_model(sg(x / self.scale) + (x - sg(x)))
-        return self.sub_model(sg(x / self.scale))
+            return call_with_key(self.sub_model, sg(x / self.scale) + (x - sg(x)), key)
+        return call_with_key(self.sub_model, sg(x / self.scale), key)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[ScaledModel]:

@@ -17,6 +17,7 @@ from .._catalogue import (
     Domain,
     JVPRule,
     PytreeRule,
+    call_with_key,
     check_axis,
     functional,
     map_tangent,
@@ -51,14 +52,18 @@ class _WrapperRule(JVPRule):
     def _wrapped(self) -> Callable[..., PyTree]:
         raise NotImplementedError
 
-    def __call__(self, *args: PyTree, **kwargs: Any) -> PyTree:
+    def __call__(
+        self, *args: PyTree, key: PRNGKeyArray | None = None, **kwargs: Any
+    ) -> PyTree:
         self._check_arity(args)
         (x,) = args
         if isinstance(x, float):
             x = jnp.asarray(x)
-        shapes = eqx.filter_eval_shape(lambda f, x: f(x), self._wrapped(), x)
+        shapes = eqx.filter_eval_shape(
+            lambda f, x: call_with_key(f, x, key), self._wrapped(), x
+        )
         other = eqx.filter(shapes, lambda s: isinstance(s, jax.ShapeDtypeStruct), True)
-        return eqx.combine(super().__call__(x, **kwargs), other)
+        return eqx.combine(super().__call__(x, key=key, **kwargs), other)
 
 
 def _check_callable(rule: str, name: str, value: Any) -> None:
@@ -116,18 +121,22 @@ class StopGradient(_WrapperRule):
         # `primal` blocks the same paths as `tangent`, so every order agrees.
         return True
 
-    def primal(self, x: PyTree) -> PyTree:
+    def primal(self, x: PyTree, *, key: PRNGKeyArray | None = None) -> PyTree:
         fn, x = _frozen((self.fn, x))
-        return eqx.filter(fn(x), eqx.is_array)
+        return eqx.filter(call_with_key(fn, x, key), eqx.is_array)
 
     def tangent(self, args, t_args, t_self, out, **kwargs):
         return no_tangent(out)
 
-    def reference_forward(self, x: PyTree) -> PyTree:
-        return self.fn(x)
+    def reference_forward(
+        self, x: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> PyTree:
+        return call_with_key(self.fn, x, key)
 
-    def reference_derivative(self, x: PyTree) -> PyTree:
-        return jax.lax.stop_gradient(self.fn(x))
+    def reference_derivative(
+        self, x: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> PyTree:
+        return jax.lax.stop_gradient(call_with_key(self.fn, x, key))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[StopGradient]:
@@ -193,25 +202,31 @@ class Frozen(_WrapperRule):
         # `primal` blocks the same paths as `tangent`, so every order agrees.
         return True
 
-    def primal(self, x: PyTree) -> PyTree:
-        return eqx.filter(_frozen(self.module)(x), eqx.is_array)
+    def primal(self, x: PyTree, *, key: PRNGKeyArray | None = None) -> PyTree:
+        return eqx.filter(call_with_key(_frozen(self.module), x, key), eqx.is_array)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(self, args, t_args, t_self, out, *, key=None):
         module = _frozen(self.module)
         t_out = partial_jvp(
-            lambda x: eqx.filter(module(x), eqx.is_array), tuple(args), tuple(t_args)
+            lambda x: eqx.filter(call_with_key(module, x, key), eqx.is_array),
+            tuple(args),
+            tuple(t_args),
         )
         return no_tangent(out) if t_out is None else t_out
 
-    def reference_forward(self, x: PyTree) -> PyTree:
-        return self.module(x)
+    def reference_forward(
+        self, x: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> PyTree:
+        return call_with_key(self.module, x, key)
 
-    def reference_derivative(self, x: PyTree) -> PyTree:
+    def reference_derivative(
+        self, x: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> PyTree:
         frozen = jtu.tree_map(
             lambda p: jax.lax.stop_gradient(p) if eqx.is_inexact_array(p) else p,
             self.module,
         )
-        return frozen(x)
+        return call_with_key(frozen, x, key)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[Frozen]:

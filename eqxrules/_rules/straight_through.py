@@ -73,11 +73,6 @@ def _check_logits(rule: str, axis: int, args: tuple[Any, ...]) -> None:
     check_axis(rule, axis, jnp.shape(args[0]), "logits")
 
 
-def _needs_key(rule: str, key: Any) -> None:
-    if key is None:
-        raise TypeError(f"`{rule}` needs a PRNG key: call it as `m(x, key=key)`.")
-
-
 def _wide(dtype: Any) -> Any:
     # Values of the quantisers are computed in at least float32 and cast back: the
     # nearest level of a bf16 input is then found exactly, and only rounded once.
@@ -800,12 +795,6 @@ class StochasticRound(_Elementwise):
     elementwise: ClassVar[bool] = True
     domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, kinks=(-1.0, 0.0, 1.0))
 
-    def __call__(
-        self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
-    ) -> Array:
-        _needs_key("stochastic_round", key)
-        return super().__call__(*args, key=key, **kwargs)
-
     def primal(self, x: Array, *, key: PRNGKeyArray) -> Array:
         wide = _wide(x.dtype)
         u = jax.random.uniform(key, x.shape, wide)
@@ -1105,12 +1094,6 @@ class GumbelSoftmax(JVPRule):
 
     def is_exact(self) -> bool:
         return not self.hard
-
-    def __call__(
-        self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
-    ) -> Array:
-        _needs_key("gumbel_softmax", key)
-        return super().__call__(*args, key=key, **kwargs)
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         _check_logits("gumbel_softmax", self.axis, args)

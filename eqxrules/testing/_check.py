@@ -830,8 +830,10 @@ def check_rule(
         results.append(result)
 
     if problem is not None and "fwd" in modes:
+        # Run (not just trace) the JVP: under `jit`, JAX reports forward mode through
+        # a `custom_vjp` only when lowering, so tracing alone would not find it.
         try:
-            jax.eval_shape(problem.jvp, problem.diff, problem.t)
+            problem.rule_jvp
             problem.forward_mode = True
         except Exception as e:
             problem.forward_mode = False if _is_reverse_only_error(e) else None
