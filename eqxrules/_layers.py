@@ -7,12 +7,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
+from ._catalogue import call_with_key
+
 _M = TypeVar("_M")
 
-Quantizer = Callable[[Array], Array]
+Quantizer = Callable[..., Array]
 
 
 def _check_quantizer(where: str, name: str, value: Any) -> None:
@@ -36,6 +39,11 @@ class Quantized(eqx.Module):
     - `kernel_quantizer`: a callable applied to the weight, e.g. `eqxrules.SteSign()`.
         `None` leaves the weight as it is.
     - `input_quantizer`: a callable applied to the input. `None` leaves it as it is.
+
+    Called with `key=`, as `eqx.nn.Sequential` calls it, the key is split in three:
+    for `input_quantizer`, `kernel_quantizer` and `layer`, in that order. Each gets
+    its part only if it takes a `key` (so [`StochasticRound`][] can quantise, and a
+    layer with dropout gets its key); the others are called without one.
 
     !!! Example
 
@@ -67,25 +75,35 @@ class Quantized(eqx.Module):
 
     @property
     def quantized_layer(self) -> Any:
-        """The wrapped layer with its weight replaced by the quantised weight."""
+        """The wrapped layer with its weight replaced by the quantised weight (a
+        `kernel_quantizer` that needs a key cannot be applied here: call the layer
+        with `key=` instead)."""
+        return self._quantized_layer(None)
+
+    def _quantized_layer(self, key: PRNGKeyArray | None) -> Any:
         if self.kernel_quantizer is None:
             return self.layer
-        weight = self.kernel_quantizer(self.layer.weight)
+        weight = call_with_key(self.kernel_quantizer, self.layer.weight, key)
         return eqx.tree_at(lambda layer: layer.weight, self.layer, weight)
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         """**Arguments:**
 
         - `x`: the input, as the wrapped layer takes it.
-        - `key`: ignored; accepted so that `eqx.nn.Sequential` can call the layer.
+        - `key`: an optional PRNG key, split between the input quantiser, the kernel
+            quantiser and the layer (each gets its part only if it takes a `key`).
 
         **Returns:**
 
         The wrapped layer's output on the quantised weight and input.
         """
+        if key is None:
+            input_key = kernel_key = layer_key = None
+        else:
+            input_key, kernel_key, layer_key = jax.random.split(key, 3)
         if self.input_quantizer is not None:
-            x = self.input_quantizer(x)
-        return self.quantized_layer(x)
+            x = call_with_key(self.input_quantizer, x, input_key)
+        return call_with_key(self._quantized_layer(kernel_key), x, layer_key)
 
 
 def _has_weight_layer(node: Any) -> bool:

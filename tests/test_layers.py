@@ -211,3 +211,37 @@ def test_quantize_small_cnn_matches_and_learns():
         binary, state, value = step(binary, state)
         losses.append(float(value))
     assert losses[-1] < 0.7 * losses[0]
+
+
+class _DropoutLinear(eqx.Module):
+    """A layer with a `weight` that takes a key: dropout on its output."""
+
+    weight: jax.Array
+
+    def __call__(self, x, *, key=None):
+        return eqx.nn.Dropout(0.5)(self.weight @ x, inference=key is None, key=key)
+
+
+class _UnsplitKey(eqxrules.Quantized):
+    # Planted defect: the whole key goes to the layer.
+    def __call__(self, x, *, key=None):
+        return self.quantized_layer(x, key=key)
+
+
+def _check_key_split(cls):
+    layer = _DropoutLinear(_normal(7, (6, 4)))
+    x = _normal(8, (4,))
+    q = cls(layer, kernel_quantizer=eqxrules.SteSign())
+    binary = _with_weight(layer, _sign(layer.weight))
+    key = jax.random.key(9)
+    # The key is split in three (input quantiser, kernel quantiser, layer).
+    np.testing.assert_array_equal(
+        q(x, key=key), binary(x, key=jax.random.split(key, 3)[2])
+    )
+    np.testing.assert_array_equal(q(x), binary(x))
+
+
+def test_quantized_passes_the_layer_its_part_of_the_key():
+    _check_key_split(eqxrules.Quantized)
+    with pytest.raises(AssertionError):
+        _check_key_split(_UnsplitKey)
