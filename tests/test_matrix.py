@@ -41,6 +41,7 @@ import pytest
 
 import eqxrules
 from eqxrules.testing import DEFAULT_TOLERANCES
+from eqxrules.testing._compat import enable_x64
 
 KEY = jax.random.key(0)
 CALL_KEY = jax.random.key(2)
@@ -920,9 +921,9 @@ def _dtype(case: Case, dtype: str) -> None:
     """Under `jit` (value, gradient, and the JVP with forward mode): outputs,
     gradients and tangents keep the input dtype, and equal the references (run in
     float32 or wider on the same values), within that dtype's tolerance. float64 runs in a scoped
-    `jax.enable_x64(True)`. (float32 is the dtype of every other situation.)"""
+    `enable_x64()` (`jax.enable_x64` or, before it, `jax.experimental.enable_x64`). (float32 is the dtype of every other situation.)"""
     if dtype == F64:
-        with jax.enable_x64(True):
+        with enable_x64():
             _dtype_checks(case, np.dtype(np.float64))
     else:
         _dtype_checks(case, jnp.dtype(dtype))
@@ -983,8 +984,14 @@ def _tracing(case: Case, dtype: str) -> None:
         "eval_shape",
     )
     jaxpr = jax.make_jaxpr(F)(d)
-    call = "custom_jvp_call" if case.entry.forward_mode else "custom_vjp_call"
-    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == call]
+    # Equinox before 0.13.5 builds `filter_custom_vjp` on a `custom_jvp` wrapper, so
+    # a reverse-only rule may trace as either; a forward-mode rule never as a VJP.
+    calls_ok = (
+        ("custom_jvp_call",)
+        if case.entry.forward_mode
+        else ("custom_vjp_call", "custom_jvp_call")
+    )
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in calls_ok]
     assert len(calls) == 1, jaxpr
     assert str(jax.make_jaxpr(F)(d)) == str(jaxpr), "tracing twice differs"
 
