@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -12,8 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 import eqxrules
-from eqxrules import _cli
+from eqxrules import _cli, _plot
 from eqxrules._catalogue import Domain, Entry, JVPRule
+from eqxrules._verify import EntryResult
 
 
 def _run(capsys, *argv: str) -> tuple[int, str]:
@@ -123,10 +126,25 @@ def user_module(tmp_path, monkeypatch):
 
             def surrogate(x):
                 return jnp.where(jnp.abs(x) <= 1, x, 0.0)
+
+            def identity(x):
+                return x
+
+            def noisy(x, key):
+                return x + jax.random.normal(key, x.shape, x.dtype)
+
+            def noisy_at_3(x):
+                return x + jax.random.normal(jax.random.key(3), x.shape, x.dtype)
+
+            import eqxrules
+            sign_layer = eqxrules.SteSign()
+            exact_scale = eqxrules.ScaledModel(jnp.sin, 2.0)
+            skip_scale = eqxrules.ScaledModel(jnp.sin, 2.0, mode="skip_scale")
             """
         )
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rules", raising=False)
     return "my_rules"
 
 
@@ -137,6 +155,7 @@ def test_check_user_rule(capsys, user_module):
     assert code == 0 and out.rstrip().endswith("passed")
     code, out = _run(capsys, "check", f"{m}:bad", *args, "--dtype", "bfloat16")
     assert code == 1 and "check `vjp` failed" in out
+    assert "hint" not in out  # a `--derivative` was given: the hint is not for it
 
 
 def test_check_bad_spec_is_a_clear_error(user_module):
@@ -146,6 +165,10 @@ def test_check_bad_spec_is_a_clear_error(user_module):
         _cli.main(["check", f"{user_module}:missing"])
     with pytest.raises(SystemExit, match="--shape"):
         _cli.main(["check", f"{user_module}:good", "--shape", "a,b"])
+    with pytest.raises(SystemExit, match="cannot check `eqxrules:scaled_call`"):
+        _cli.main(["check", "eqxrules:scaled_call"])  # takes a model and an array
+    with pytest.raises(SystemExit, match="cannot be built with its defaults"):
+        _cli.main(["check", "eqxrules:ScaledModel"])
 
 
 def test_module_entry_point_runs():
@@ -162,3 +185,237 @@ def test_module_entry_point_runs():
 
 def test_float_input_is_not_required_to_be_array():
     assert eqxrules.ste_round(jnp.float32(1.4)) == 1.0
+
+
+@pytest.fixture
+def fake_verify(monkeypatch):
+    """`verify` replaced by an instant pass: for what the command line prints and
+    when, not for the checks themselves."""
+    monkeypatch.setattr(_cli, "verify", lambda entry: EntryResult(entry, [], 0.01))
+
+
+def _names(out: str) -> list[str]:
+    return [obj["name"] for obj in json.loads(out)]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--json"],
+        ["--json", "verify", "detach"],
+        ["verify", "--json", "detach"],
+        ["verify", "detach", "--json"],
+    ],
+)
+def test_json_before_or_after_verify(capsys, fake_verify, argv):
+    # Before the command, argparse used to reset `--json` to the subcommand's
+    # default: the flag was silently ignored.
+    code, out = _run(capsys, *argv)
+    want = ["detach"] if "detach" in argv else [e.name for e in eqxrules.catalogue()]
+    assert code == 0 and _names(out) == want
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--verbose"],
+        ["--verbose", "verify", "detach"],
+        ["verify", "--verbose", "detach"],
+        ["verify", "detach", "--verbose"],
+    ],
+)
+def test_verbose_before_or_after_verify(capsys, fake_verify, argv):
+    assert _cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "verifying detach ..." in err and "detach: 0 examples checked" in err
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
+def test_list_flags_before_or_after(capsys, before):
+    def argv(flag):
+        return [flag, "list"] if before else ["list", flag]
+
+    code, out = _run(capsys, *argv("--json"))
+    entries = json.loads(out)
+    assert code == 0 and [e["name"] for e in entries] == [
+        e.name for e in eqxrules.catalogue()
+    ]
+    assert entries[0]["exact"] is True and entries[0]["module"] == "ScaledModel"
+    code, out = _run(capsys, *argv("--verbose"))
+    assert code == 0 and out.splitlines()[0].split()[-1] == "summary"
+    for e in eqxrules.catalogue():
+        assert e.summary in out
+
+
+def test_list_markdown_and_json_together_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        _cli.main(["--json", "list", "--markdown"])
+    assert e.value.code == 2
+    assert (
+        "`--markdown` and `--json` cannot be used together" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
+def test_check_flags_before_or_after(capsys, user_module, before):
+    m = user_module
+    spec = ["check", f"{m}:good", "--derivative", f"{m}:surrogate", "--shape", "4"]
+
+    def argv(flag):
+        return [flag, *spec] if before else [*spec, flag]
+
+    code, out = _run(capsys, *argv("--json"))
+    report = json.loads(out)
+    assert code == 0 and report["passed"] is True
+    assert report["checks"]["vjp"]["status"] == "passed"
+    code, out = _run(capsys, *argv("--verbose"))
+    assert code == 0 and "check `vjp` passed" in out  # passed checks shown too
+
+
+@pytest.mark.parametrize("argv", [["--verbose", "plot"], ["plot", "--verbose"]])
+def test_plot_rejects_verbose(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        _cli.main(argv)
+    assert e.value.code == 2
+    assert "`--verbose` does not apply to `plot`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--json", "plot", "ste_sign"], ["plot", "ste_sign", "--json"]]
+)
+def test_plot_json_before_or_after(capsys, monkeypatch, tmp_path, argv):
+    def fake_plot(names, out):
+        return [pathlib.Path(out) / f"{n}.png" for n in names]
+
+    monkeypatch.setattr(_plot, "plot", fake_plot)
+    code, out = _run(capsys, *argv, "--out", str(tmp_path))
+    assert code == 0 and json.loads(out) == [str(tmp_path / "ste_sign.png")]
+
+
+class _Terminal(io.StringIO):
+    """A stdout that remembers what had been flushed by the last `flush()`."""
+
+    flushed = ""
+
+    def flush(self):
+        self.flushed = self.getvalue()
+
+
+_THREE = ["ste_sign", "detach", "clip_gradient"]
+
+
+def _rows(text: str) -> list[str]:
+    return [w[0] for w in map(str.split, text.splitlines()) if w and w[0] in _THREE]
+
+
+def test_verify_prints_each_rule_as_it_is_verified(monkeypatch):
+    terminal, flushed_at_each_call = _Terminal(), []
+
+    def fake(entry):
+        flushed_at_each_call.append(terminal.flushed)
+        return EntryResult(entry, [], 0.01)
+
+    monkeypatch.setattr(_cli, "verify", fake)
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert _cli.main(["verify", *_THREE]) == 0
+    # Each rule's row was written and flushed before the next rule began.
+    assert [_rows(s) for s in flushed_at_each_call] == [[], _THREE[:1], _THREE[:2]]
+    assert "on backend" in flushed_at_each_call[0]  # the header came first
+    assert _rows(terminal.flushed) == _THREE and "3/3 rules passed" in terminal.flushed
+
+
+def test_verify_json_is_quiet_until_the_json(monkeypatch):
+    terminal, written_at_each_call = _Terminal(), []
+
+    def fake(entry):
+        written_at_each_call.append(terminal.getvalue())
+        return EntryResult(entry, [], 0.01)
+
+    monkeypatch.setattr(_cli, "verify", fake)
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert _cli.main(["verify", "--json", *_THREE]) == 0
+    assert written_at_each_call == ["", "", ""]
+    assert _names(terminal.getvalue()) == _THREE
+
+
+@pytest.mark.parametrize("flag", ["--key", "--seed"])
+@pytest.mark.parametrize("value", ["-1", "abc", "1.5", str(2**63)])
+def test_bad_seed_is_an_argparse_error(capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        _cli.main(["check", "eqxrules:ste_round", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: `{flag}` (={value!r}) must be a non-negative" in err
+
+
+def test_check_stochastic_round_gets_a_key(capsys, user_module):
+    args = ["--shape", "8", "--derivative", f"{user_module}:identity"]
+    for spec in ("eqxrules:stochastic_round", "eqxrules:StochasticRound"):
+        code, out = _run(capsys, "check", spec, *args)
+        assert code == 0 and out.rstrip().endswith("passed")
+        assert "needs a PRNG key: using jax.random.key(0)" in out
+        code, out = _run(capsys, "check", spec, *args, "--key", "7")
+        assert code == 0 and "using jax.random.key(0)" not in out
+
+
+@pytest.mark.parametrize("seed, code", [("3", 0), ("4", 1)])
+def test_check_passes_the_key_seed_to_the_rule(capsys, user_module, seed, code):
+    m = user_module
+    refs = ["--forward", f"{m}:noisy_at_3", "--derivative", f"{m}:identity"]
+    got, out = _run(capsys, "check", f"{m}:noisy", *refs, "--key", seed)
+    assert got == code
+    assert ("check `primal` failed" in out) == (code == 1)
+
+
+def test_key_for_a_rule_without_one_is_an_error(user_module):
+    m = user_module
+    with pytest.raises(SystemExit, match=r"`--key` \(=1\) was given, but"):
+        _cli.main(
+            ["check", f"{m}:good", "--derivative", f"{m}:surrogate", "--key", "1"]
+        )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "eqxrules:ste_sign",
+        "eqxrules:SteSign",
+        "eqxrules:stochastic_round",
+        "my_rules:sign_layer",
+        "my_rules:skip_scale",  # not exact by its `mode`
+    ],
+)
+def test_check_a_surrogate_rule_without_derivative_says_so(user_module, spec):
+    with pytest.raises(SystemExit, match="is not exact") as e:
+        _cli.main(["check", spec])
+    assert "straight-through" in str(e.value) and "--derivative" in str(e.value)
+
+
+def test_check_an_exact_catalogue_rule_uses_finite_differences(capsys, user_module):
+    code, out = _run(capsys, "check", f"{user_module}:exact_scale", "--verbose")
+    assert code == 0 and "check `finite_differences` passed" in out
+
+
+def test_failed_finite_differences_hint_at_derivative(capsys, user_module, recwarn):
+    code, out = _run(capsys, "check", f"{user_module}:good")
+    assert code == 1 and "check `finite_differences` failed" in out
+    assert "hint: if `my_rules:good` is a straight-through (surrogate) rule" in out
+    assert "`--derivative PKG.MODULE:NAME`" in out
+    # The relative error divides by zero where the reference is 0; NumPy's
+    # RuntimeWarning used to reach the terminal.
+    assert [str(w.message) for w in recwarn] == []
+
+
+def test_module_entry_point_stops_quietly_on_a_closed_pipe():
+    """`python -m eqxrules list | head -1`: the reader leaves first."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "eqxrules", "list"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # before the command writes (importing JAX takes longer)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 1
+    assert err == ""
