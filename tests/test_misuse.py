@@ -161,7 +161,8 @@ def test_hyperparameter_traced_under_jit():
     with pytest.raises(TypeError) as info, warnings.catch_warnings():
         warnings.filterwarnings("ignore", "A JAX array is being set as static")
         jax.jit(lambda c, x: eqxrules.ste_sign(x, clip_value=c))(1.0, x)
-    _assert_names(str(info.value), _names(eqxrules.SteSign), "`clip_value`", "Tracer")
+    # The tracer's repr is `Traced<...>` before jax 0.7 and `...Tracer...` after.
+    _assert_names(str(info.value), _names(eqxrules.SteSign), "`clip_value`", "Trace")
 
 
 # --------------------------------------------------------------------------------
