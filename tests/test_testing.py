@@ -3,6 +3,8 @@ check that names it, beside correct rules that pass."""
 
 from __future__ import annotations
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -118,7 +120,7 @@ def test_textbook_scaled_model_silently_zeroes_weight_gradient(linear):
     assert np.all(np.asarray(grads.sub_model.weight) == 0)  # the silent bug
     with pytest.raises(RuleCheckError) as e:
         check_rule(lambda m, x: m(x), model, x, derivative=_plain)
-    assert {"jvp", "vjp"} <= set(_failed(e))
+    assert set(_failed(e)) == {"jvp", "vjp", "held_fixed"}
     assert "sub_model.weight" in str(e.value)
     assert "sub_model.weight" in e.value.report["vjp"].path
 
@@ -433,3 +435,324 @@ def test_tolerances_per_dtype_accept_correct_rule(dtype):
         _make_ste(True), X.astype(dtype), forward=_sign, derivative=_surrogate
     )
     assert report.passed
+
+
+# ---------------------------------------------------------------------------
+# (i) a ScaledModel-style rule, right when everything moves, that crashes when the
+# input is held fixed (`eqx.filter_grad(loss)(model)`: x's tangent is `None`)
+
+
+class _CrashingScaled(_TextbookScaled):
+    def __call__(self, x):
+        return _crashing(self, x)
+
+
+@eqx.filter_custom_jvp
+def _crashing(model, x):
+    return model.sub_model(x / model.scale)
+
+
+@_crashing.def_jvp
+def _crashing_jvp(primals, tangents):
+    model, x = primals
+    t_model, t_x = tangents
+    y, t_y = x / model.scale, t_x / model.scale  # assumes t_x is never None
+    return eqx.filter_jvp(
+        lambda m, y: m(y), (model.sub_model, y), (t_model.sub_model, t_y)
+    )
+
+
+def test_crash_on_held_fixed_input_is_caught_by_held_fixed_only(linear):
+    model, x = _CrashingScaled(linear, 2.0), jnp.array([0.0, 1.0, 2.0])
+    with pytest.raises(TypeError):
+        eqx.filter_grad(lambda m: m(x).sum())(model)  # what a user meets
+    with pytest.raises(RuleCheckError) as e:
+        check_rule(lambda m, x: m(x), model, x, forward=_plain, derivative=_plain)
+    assert _failed(e) == ["held_fixed"]
+    detail = e.value.report["held_fixed"].detail
+    assert "with only `args[0].sub_model` perturbed" in detail
+    assert "TypeError" in detail
+    assert isinstance(e.value.__cause__, TypeError)
+
+
+# ---------------------------------------------------------------------------
+# (ii) a rule that drops the parameter tangent when only the parameters move
+
+
+class _LazyScaled(_TextbookScaled):
+    def __call__(self, x):
+        return _lazy(self, x)
+
+
+@eqx.filter_custom_jvp
+def _lazy(model, x):
+    return model.sub_model(x / model.scale)
+
+
+@_lazy.def_jvp
+def _lazy_jvp(primals, tangents):
+    model, x = primals
+    t_model, t_x = tangents
+    out = model.sub_model(x / model.scale)
+    if t_x is None:  # "the input does not move, so nothing does": the bug
+        return out, jnp.zeros_like(out)
+    return eqx.filter_jvp(
+        lambda m, y: m(y),
+        (model.sub_model, x / model.scale),
+        (t_model.sub_model, t_x / model.scale),
+    )
+
+
+def test_dropped_parameter_tangent_is_caught_by_held_fixed_only(linear):
+    model, x = _LazyScaled(linear, 2.0), jnp.array([0.0, 1.0, 2.0])
+    grads = eqx.filter_grad(lambda m: m(x).sum())(model)
+    assert np.all(np.asarray(grads.sub_model.weight) == 0)  # the silent bug
+    with pytest.raises(RuleCheckError) as e:
+        check_rule(lambda m, x: m(x), model, x, forward=_plain, derivative=_plain)
+    assert _failed(e) == ["held_fixed"]
+    result = e.value.report["held_fixed"]
+    assert "with only `args[0].sub_model` perturbed" in result.detail
+    assert result.actual == 0.0 and result.expected != 0.0
+    # Without any reference, against the rule's own derivative with zero tangents.
+    with pytest.raises(RuleCheckError) as e:
+        check_rule(lambda m, x: m(x), model, x, checks=("held_fixed",))
+    assert _failed(e) == ["held_fixed"]
+
+
+def test_held_fixed_passes_for_a_correct_rule_and_names_each_group(linear):
+    ours = eqxrules.ScaledModel(linear, 2.0)
+    x = jnp.array([0.0, 1.0, 2.0])
+    report = check_rule(lambda m, x: m(x), ours, x, derivative=_plain)
+    assert report["held_fixed"].status == "passed"
+    # One differentiable argument: perturbing it alone is what `jvp` and `vjp` do.
+    report = check_rule(jnp.sin, X, derivative=jnp.sin)
+    assert report["held_fixed"].status == "skipped"
+
+
+def test_held_fixed_on_a_reverse_only_rule():
+    @jax.custom_vjp
+    def f(w, x):
+        return w * jnp.tanh(x)
+
+    def fwd(w, x):
+        return f(w, x), (w, x)
+
+    def bwd(res, ct):
+        w, x = res
+        return ct * jnp.tanh(x), ct * w * (1 - jnp.tanh(x) ** 2)
+
+    f.defvjp(fwd, bwd)
+    report = check_rule(f, X, X + 1, derivative=lambda w, x: w * jnp.tanh(x))
+    assert report.passed
+    assert report["held_fixed"].status == "passed"
+
+
+# ---------------------------------------------------------------------------
+# (j) a first derivative right and a second wrong: `stop_gradient` on the primal
+# inside the tangent rule
+
+
+def _sin_with_tangent(stop: bool):
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return jnp.sin(x), jnp.cos(jax.lax.stop_gradient(x) if stop else x) * t
+
+    return f
+
+
+def test_correct_second_derivative_passes_order_2():
+    report = check_rule(_sin_with_tangent(False), X, derivative=jnp.sin, order=2)
+    assert report["second_order"].status == "passed"
+    report = check_rule(_make_vjp_rule(), X, derivative=jnp.tanh, order=2)
+    assert report["second_order"].status == "passed"
+
+
+def test_killed_second_derivative_is_caught_by_second_order_only():
+    f = _sin_with_tangent(True)
+    report = check_rule(f, X, forward=jnp.sin, derivative=jnp.sin)
+    assert report.passed  # order 1 cannot see it
+    assert report["second_order"].status == "skipped"
+    with pytest.raises(RuleCheckError) as e:
+        check_rule(f, X, forward=jnp.sin, derivative=jnp.sin, order=2)
+    assert _failed(e) == ["second_order"]
+    assert e.value.report["second_order"].detail.startswith("JVP of VJP")
+    with pytest.raises(RuleCheckError) as e:
+        check_rule(f, X, forward=jnp.sin, derivative=jnp.sin, order=2, modes=("rev",))
+    assert _failed(e) == ["second_order"]
+    assert e.value.report["second_order"].detail.startswith("VJP of VJP")
+    # With no `derivative`, a true derivative is checked against `forward`'s.
+    with pytest.raises(RuleCheckError) as e:
+        check_rule(f, X, forward=jnp.sin, order=2)
+    assert _failed(e) == ["second_order"]
+
+
+# ---------------------------------------------------------------------------
+# Selecting checks
+
+
+def test_selected_checks_run_and_the_rest_are_skipped():
+    report = check_rule(
+        _make_ste(False),
+        X,
+        derivative=_surrogate,
+        checks=("vjp",),
+        raise_on_failure=False,
+    )
+    assert report.failed == ["vjp"]
+    for r in report.results:
+        if r.name != "vjp":
+            assert (r.status, r.detail) == ("skipped", "not selected")
+    report = check_rule(_make_ste(False), X, derivative=_surrogate, skip=["jvp", "vjp"])
+    assert report.passed
+    assert report["jvp"].detail == "not selected"
+
+
+def test_unselected_checks_cost_nothing():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        raise AssertionError("differentiated although no selected check needs it")
+
+    report = check_rule(f, X, forward=jnp.sin, derivative=jnp.sin, checks=("primal",))
+    assert report.passed and report["primal"].status == "passed"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(checks="jvp"), TypeError, ["`checks`", "'jvp'", "tuple or list"]),
+        (dict(skip="jvp"), TypeError, ["`skip`", "'jvp'"]),
+        (dict(checks=3), TypeError, ["`checks`", "int"]),
+        (dict(checks=("jvp", 3)), TypeError, ["`checks`", "3", "int"]),
+        (dict(checks=("jvpp",)), ValueError, ["`checks`", "'jvpp'", "'held_fixed'"]),
+        (dict(skip=("nope",)), ValueError, ["`skip`", "'nope'", "'primal'"]),
+        (dict(checks=("jvp",), skip=("vjp",)), ValueError, ["`checks`", "`skip`"]),
+        (dict(checks=()), ValueError, ["`checks`", "at least one"]),
+        (dict(checks=("second_order",)), ValueError, ["'second_order'", "`order`"]),
+        (dict(order=3), ValueError, ["`order`", "3", "1 or 2"]),
+        (dict(order=0), ValueError, ["`order`", "0"]),
+        (dict(order=True), TypeError, ["`order`", "bool"]),
+        (dict(order=2.0), TypeError, ["`order`", "float"]),
+        (dict(order="2"), TypeError, ["`order`", "str"]),
+    ],
+)
+def test_bad_selection_or_order_is_a_clear_error(kwargs, error, words):
+    with pytest.raises(error) as e:
+        check_rule(jnp.sin, X, **kwargs)
+    message = str(e.value)
+    assert message.startswith("`check_rule`:")
+    for word in words:
+        assert word in message
+
+
+# ---------------------------------------------------------------------------
+# The worst element
+
+
+def test_failure_names_worst_element_and_both_values():
+    with pytest.raises(RuleCheckError) as e:
+        check_rule(_make_ste(False), X, derivative=_surrogate, checks=("vjp",))
+    result = e.value.report["vjp"]
+    assert result.path == "args[0]"
+    assert result.index in {(1,), (5,)}  # |x| = 1, where the mask is exclusive
+    assert result.actual == 0.0 and result.expected != 0.0
+    assert result.max_abs_error == abs(result.expected)
+    assert f"index {result.index}" in str(e.value)
+    assert "where the reference has" in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# Warnings: the rule's are reported once; the checker's own arithmetic raises none
+
+
+def test_a_rule_warning_is_reported_once():
+    @jax.custom_jvp
+    def f(x):
+        warnings.warn("f is deprecated", UserWarning)
+        return jnp.sin(x)
+
+    f.defjvp(lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0]))
+    with pytest.warns(UserWarning, match="f is deprecated") as record:
+        report = check_rule(f, X, forward=jnp.sin, derivative=jnp.sin)
+    assert sum("f is deprecated" in str(w.message) for w in record) == 1
+    assert report.passed  # a warning is not a failure
+    assert report.warnings == ["UserWarning: f is deprecated"]
+    assert "the rule warned: UserWarning: f is deprecated" in str(report)
+
+
+def test_infinities_and_nans_in_rule_and_reference_raise_no_warning():
+    # The forward is -inf at 0 and NaN below: the comparison meets inf - inf.
+    @jax.custom_jvp
+    def log_ste(x):
+        return jnp.log(x)
+
+    log_ste.defjvp(lambda p, t: (jnp.log(p[0]), t[0]))
+    report = check_rule(log_ste, X, forward=jnp.log, derivative=lambda x: x)
+    assert report.passed and report.warnings == []
+
+    # The tangent is +-inf at 0 in both: linearity meets inf - inf, transpose inf *
+    # 0. (The zero cotangent gives 0 * inf = NaN there, which that check reports.)
+    @jax.custom_jvp
+    def cbrt(x):
+        return jnp.cbrt(x)
+
+    cbrt.defjvp(lambda p, t: (jnp.cbrt(p[0]), t[0] / (3 * jnp.cbrt(p[0]) ** 2)))
+    report = check_rule(cbrt, X, derivative=jnp.cbrt, skip=("zero_cotangent",))
+    assert report.passed and report.warnings == []
+    report = check_rule(cbrt, X, derivative=jnp.cbrt, raise_on_failure=False)
+    assert report.failed == ["zero_cotangent"]
+
+
+# ---------------------------------------------------------------------------
+# Programs compiled by one call are reused by the next only when the traced program
+# is the same: a rule that changed is checked afresh, never reported on from before
+
+
+def _tanh_rule(scale, host: bool = False):
+    def slope(x):
+        return scale * (1 - np.tanh(x) ** 2)
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.tanh(x)
+
+    def bwd(x, ct):
+        if host:  # the same code, a different closure: only its repr is alike
+            shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            s = jax.pure_callback(lambda x: slope(x).astype(x.dtype), shape, x)
+        else:
+            s = scale * (1 - jnp.tanh(x) ** 2)
+        return (ct * s,)
+
+    f.defvjp(lambda x: (jnp.tanh(x), x), bwd)
+    return f
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_a_changed_rule_is_checked_afresh(host):
+    check_rule(_tanh_rule(1.0, host), X, derivative=jnp.tanh, checks=("vjp",))
+    with pytest.raises(RuleCheckError):
+        check_rule(_tanh_rule(2.0, host), X, derivative=jnp.tanh, checks=("vjp",))
+
+
+def test_a_changed_closed_over_array_is_checked_afresh():
+    w = jnp.ones(7)
+
+    @jax.custom_vjp
+    def f(x):
+        return w * x
+
+    f.defvjp(lambda x: (w * x, None), lambda _, ct: (ct * w,))
+    check_rule(f, X, derivative=lambda x: w * x, checks=("vjp",))
+    w = 2 * jnp.ones(7)  # the closure's cell now holds another array
+    reference = jnp.ones(7)
+    with pytest.raises(RuleCheckError):
+        check_rule(f, X, derivative=lambda x: reference * x, checks=("vjp",))

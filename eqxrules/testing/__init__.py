@@ -6,14 +6,13 @@ and `python -m eqxrules` are built on it.
 
 from typing import TYPE_CHECKING, Any
 
-from ._check import (
-    CHECKS as CHECKS,
-    DEFAULT_TOLERANCES as DEFAULT_TOLERANCES,
-    FINITE_DIFFERENCE_TOLERANCES as FINITE_DIFFERENCE_TOLERANCES,
+from ._check import CHECKS as CHECKS, check_rule as check_rule
+from ._checks import FINITE_DIFFERENCE_TOLERANCES as FINITE_DIFFERENCE_TOLERANCES
+from ._compare import DEFAULT_TOLERANCES as DEFAULT_TOLERANCES
+from ._report import (
     CheckResult as CheckResult,
     RuleCheckError as RuleCheckError,
     RuleReport as RuleReport,
-    check_rule as check_rule,
 )
 
 if TYPE_CHECKING:

@@ -1,0 +1,463 @@
+"""The checks: one small function each over the same `_Problem`, and `TABLE`, the
+order they run and report in. A check returns its figures, or a string saying why
+it did not apply (reported `"skipped"`); it raises `_Failure` when the rule is
+wrong, and lets the rule's own exceptions through (`_Raised` says where)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from . import _programs
+from ._compare import (
+    _compare,
+    _dtype_name,
+    _Failure,
+    _host_combination,
+    _identity,
+    _is_inexact,
+    _is_none,
+    _linear_expected,
+    _lowest_precision,
+    _max_abs,
+    _tolerance,
+    _vdot,
+)
+from ._compat import enable_x64
+from ._problem import _device, _Group, _Problem, _random_like, _zeros_like
+
+FINITE_DIFFERENCE_TOLERANCES: dict[bool, tuple[float, float, float]] = {
+    True: (1e-5, 1e-6, 1e-6),
+    False: (3e-2, 3e-3, 1e-2),
+}
+"""`(rtol, atol, step)` for central differences, keyed by whether they run in
+float64. The checker runs them in float64 (enabled for the check, on every
+supported JAX version), so uses `True`; float32 differences would need the loose
+`False`."""
+
+_BATCH = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    modes: tuple[str, ...]
+    finite_differences: bool
+    num_directions: int
+    order: int
+
+
+class _Raised(Exception):
+    """The rule raised `exception` in the circumstances `context` names."""
+
+    def __init__(self, exception: Exception, context: str):
+        super().__init__(str(exception))
+        self.exception = exception
+        self.context = context
+
+
+@contextlib.contextmanager
+def _where(context: str):
+    """Name `context` in a failure or an exception raised inside."""
+    try:
+        yield
+    except _Failure as f:
+        raise _Failure(f"{context}: {f.detail}", **f.figures) from None
+    except _Raised:
+        raise
+    except Exception as e:
+        raise _Raised(e, context) from e
+
+
+def _check_primal(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    assert p.forward is not None
+    return p.compare(p.out, p.forward(*p.args), "out")
+
+
+def _check_jvp(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    expected = p.reference_jvp_jit(p.diff, p.t)
+    return p.compare(p.rule_jvp, expected, "jvp(out)")
+
+
+def _check_linearity(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    t2 = _random_like(p.rng("t2"), p.diff)
+    combo = _device(jtu.tree_map(_host_combination, p.t, t2))
+    j1, j2, j12 = p.rule_jvp, p.jvp_jit(p.diff, t2), p.jvp_jit(p.diff, combo)
+    expected = jtu.tree_map(lambda a, b, c: _linear_expected(a, b, c)[0], j1, j2, j12)
+    scale = jtu.tree_map(lambda a, b, c: _linear_expected(a, b, c)[1], j1, j2, j12)
+    return p.compare(j12, expected, "jvp(out)", scale=scale)
+
+
+def _check_vjp(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    return p.compare(p.rule_vjp, p.reference_vjp_value, "args", check_dtype=False)
+
+
+def _check_transpose(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    lhs, s1 = _vdot(p.ct, p.rule_jvp)
+    rhs, s2 = _vdot(p.rule_vjp, p.t)
+    r, a = _tolerance(_lowest_precision(p.diff, p.out_shape), p.rtol, p.atol)
+    holds, figures = _identity(
+        lhs, s1, rhs, s2, path="<ct, J t> vs <J^T ct, t>", rtol=r, atol=a
+    )
+    if holds is None:
+        return f"<ct, J t> = {lhs} and <J^T ct, t> = {rhs}: nothing to compare"
+    if not holds:
+        raise _Failure(
+            f"the rule's JVP and VJP are not transposes: <ct, J t> = {lhs:.6g} but "
+            f"<J^T ct, t> = {rhs:.6g}",
+            **figures,
+        )
+    return figures
+
+
+def _held_fixed(p: _Problem, group: _Group, mode: str, full: Any, t: Any, ct: Any):
+    """The rule's JVP along `group`'s part of `t`, or its cotangent for `group`
+    alone. `full` is an argument of the program, not a tangent: the rule receives
+    symbolic-zero (`None`) tangents for everything but `group`."""
+
+    def f(part: Any) -> Any:
+        return p.f(group.put(full, part))
+
+    if mode == "JVP":
+        return jax.jvp(f, (group.get(full),), (group.get(t),))[1]
+    _, pullback = jax.vjp(f, group.get(full))
+    return pullback(ct)[0]
+
+
+def _check_held_fixed(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    modes = ["JVP"] if "fwd" in o.modes and p.forward_mode() is not False else []
+    modes += ["VJP"] if "rev" in o.modes else []
+    jobs = [(group, mode) for group in p.groups for mode in modes]
+    t = p.t if "JVP" in modes else None
+    ct = p.ct if "VJP" in modes else None
+
+    def run(jobs: list[tuple[_Group, str]]) -> Callable[..., Any]:
+        return _programs.jit(
+            lambda full, t, ct: [_held_fixed(p, g, m, full, t, ct) for g, m in jobs]
+        )
+
+    try:
+        # One program for every group and mode: compiling dominates.
+        actuals = run(jobs)(p.diff, t, ct)
+    except Exception:
+        actuals = None  # the rule raised in one of them: which, is found below
+    worst: dict[str, Any] = {}
+    for i, (group, mode) in enumerate(jobs):
+        with _where(f"{mode} with only `{group.label}` perturbed, the rest held fixed"):
+            actual = run([jobs[i]])(p.diff, t, ct)[0] if actuals is None else actuals[i]
+            if mode == "JVP":
+                # By linearity the reference is its full JVP along zeros elsewhere
+                # (or, with no `derivative`, the rule's own): no new program.
+                along = group.put(_zeros_like(p.t), group.get(p.t))
+                jvp = p.reference_jvp_jit if p.derivative is not None else p.jvp_jit
+                worst = p.compare(actual, jvp(p.diff, along), "jvp(out)")
+            else:
+                # The reference's cotangent (or, with no reference, the rule's own
+                # with every argument perturbed) for this group alone.
+                full = p.reference_vjp_value if p.has_reference else p.rule_vjp
+                expected = group.get(full)
+                worst = p.compare(actual, expected, group.label, check_dtype=False)
+    return worst
+
+
+@np.errstate(all="ignore")
+def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    rtol, atol, eps = FINITE_DIFFERENCE_TOLERANCES[True]
+    worst: dict[str, Any] = {}
+    with enable_x64():
+        wide = np.float64
+        d = _device(jtu.tree_map(lambda x: np.asarray(x).astype(wide), p.diff))
+
+        def f_at(d: Any, v: Any, step: Any) -> Any:
+            return p.f(jtu.tree_map(lambda x, y: x + step * y, d, v))
+
+        # One program for every evaluation point (`d + step v`, the step an
+        # argument), and the points built on the device, not sent from the host.
+        f = _programs.jit(f_at)
+        jvp, vjp = _programs.jit(p.jvp), _programs.jit(p.vjp)
+        # Whether to go through the JVP: found out from this check's own program if
+        # no check has yet, so as not to trace another.
+        forward_mode = "fwd" in o.modes and p.forward_mode(jvp, d, d) is True
+        rng = p.rng("fd")
+        ct = ct_vjp = None
+        for _ in range(o.num_directions):
+            v = [
+                rng.standard_normal(np.shape(x), dtype=np.float32).astype(wide)
+                for x in jtu.tree_leaves(d)
+            ]
+            norm = np.sqrt(sum(float(np.sum(x**2)) for x in v))
+            v = _device(
+                jtu.tree_unflatten(jtu.tree_structure(d), [x / norm for x in v])
+            )
+            plus = f(d, v, np.asarray(eps, wide))
+            minus = f(d, v, np.asarray(-eps, wide))
+            fd = jtu.tree_map(
+                lambda a, b: (
+                    (np.asarray(a) - np.asarray(b)) / (2 * eps)
+                    if eqx.is_inexact_array(a)
+                    else None
+                ),
+                plus,
+                minus,
+            )
+            if forward_mode:
+                jv = jtu.tree_map(_float_or_none, jvp(d, v))
+                worst = _compare(
+                    jv, fd, prefix="jvp(out)", rtol=rtol, atol=atol, check_dtype=False
+                )
+                continue
+            if ct is None:
+                ct = _device(
+                    jtu.tree_map(
+                        lambda x: (
+                            np.asarray(x).astype(wide) if eqx.is_inexact_array(x) else x
+                        ),
+                        p.ct,
+                    )
+                )
+                ct_vjp = vjp(d, ct)
+            lhs, s1 = _vdot(ct, fd)
+            rhs, s2 = _vdot(ct_vjp, v)
+            holds, worst = _identity(
+                lhs,
+                s1,
+                rhs,
+                s2,
+                path="<ct, finite difference> vs <J^T ct, v>",
+                rtol=rtol,
+                atol=atol,
+            )
+            if not holds:
+                raise _Failure(
+                    f"the VJP disagrees with central differences: {rhs:.6g} vs "
+                    f"{lhs:.6g}",
+                    **worst,
+                )
+    return worst
+
+
+def _stack(trees: Sequence[Any]) -> Any:
+    return _device(
+        jtu.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
+    )
+
+
+@np.errstate(all="ignore")
+def _check_batching(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    rng = p.rng("batch")
+    ds = [p.diff] + [
+        _device(
+            jtu.tree_map(
+                lambda x, n: np.asarray(x) + (np.asarray(n) / 20).astype(x.dtype),
+                p.diff,
+                _random_like(rng, p.diff),
+            )
+        )
+        for _ in range(1, _BATCH)
+    ]
+    cts = [p.ct] + [_random_like(rng, p.out_shape) for _ in range(1, _BATCH)]
+    cts = [_drop_float0(c) for c in cts]
+    ts = [p.t] + [_random_like(rng, p.diff) for _ in range(1, _BATCH)]
+    D, CT, T = _stack(ds), _stack(cts), _stack(ts)
+
+    batched_vjp = _programs.jit(
+        jax.vmap(lambda d, ct: p.vjp(d, _restore_float0(ct, p.ct)))
+    )(D, CT)
+    looped = _stack([p.vjp_jit(d, _restore_float0(c, p.ct)) for d, c in zip(ds, cts)])
+    worst = p.compare(batched_vjp, looped, "vmap(vjp)(args)")
+    if "fwd" in o.modes and p.forward_mode():
+        looped = _stack([p.jvp_jit(d, t) for d, t in zip(ds, ts)])
+        batched_jvp = _programs.jit(jax.vmap(p.jvp))(D, T)
+        p.compare(
+            jtu.tree_map(_float_or_none, batched_jvp),
+            jtu.tree_map(_float_or_none, looped),
+            "vmap(jvp)(out)",
+        )
+    return worst
+
+
+def _float_or_none(x: Any) -> Any:
+    return x if eqx.is_inexact_array(x) else None
+
+
+def _drop_float0(tree: Any) -> Any:
+    return jtu.tree_map(
+        lambda x: None if jnp.result_type(x) == jax.dtypes.float0 else x, tree
+    )
+
+
+def _restore_float0(tree: Any, like: Any) -> Any:
+    return jtu.tree_map(
+        lambda x, lk: lk if x is None else x, tree, like, is_leaf=_is_none
+    )
+
+
+def _check_jit(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    worst = p.compare(_programs.jit(p.f)(p.diff), p.out, "jit(out)")
+    p.compare(p.rule_vjp, p.vjp(p.diff, p.ct), "jit(vjp)(args)")
+    return worst
+
+
+def _check_zero_cotangent(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    zeros = _device(
+        jtu.tree_map(lambda c: np.zeros_like(c) if eqx.is_inexact_array(c) else c, p.ct)
+    )
+    grads = p.vjp_jit(p.diff, zeros)
+    for path, g in jtu.tree_flatten_with_path(grads)[0]:
+        g = np.asarray(g)
+        if g.dtype == jax.dtypes.float0:
+            continue
+        nonzero = g != 0
+        if np.any(nonzero):
+            flat = int(np.argmax(nonzero.reshape(-1)))
+            value = g.reshape(-1)[flat].item()
+            raise _Failure(
+                "a zero cotangent gave a non-zero gradient "
+                f"({'NaN' if np.any(np.isnan(g)) else 'non-zero values'})",
+                path="args" + jtu.keystr(path),
+                max_abs_error=_max_abs(g),
+                index=tuple(int(i) for i in np.unravel_index(flat, g.shape)),
+                actual=value if isinstance(value, complex) else float(value),
+                expected=0.0,
+            )
+    return {}
+
+
+def _check_dtype(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    grads = p.rule_vjp
+    pairs: Iterable[tuple[str, Any, Any]] = [
+        ("args" + jtu.keystr(path), g, x)
+        for (path, x), g in zip(
+            jtu.tree_flatten_with_path(p.diff)[0], jtu.tree_leaves(grads)
+        )
+    ]
+    if "fwd" in o.modes and p.forward_mode():
+        jt = p.rule_jvp
+        pairs = [
+            *pairs,
+            *(
+                ("jvp(out)" + jtu.keystr(path), t, o)
+                for (path, o), t in zip(
+                    jtu.tree_flatten_with_path(p.out_shape)[0], jtu.tree_leaves(jt)
+                )
+                if _is_inexact(o)
+            ),
+        ]
+    for where, got, want in pairs:
+        if _dtype_name(got) != _dtype_name(want):
+            raise _Failure(
+                f"the (co)tangent has dtype {_dtype_name(got)} but its primal has "
+                f"dtype {_dtype_name(want)}",
+                path=where,
+            )
+    return {}
+
+
+def _check_second_order(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    def through_forward(d: Any, ct: Any) -> Any:
+        forward = p.forward
+        assert forward is not None
+        return p.vjp(d, ct, lambda d: forward(*p.combine(d)))
+
+    reference = p.reference_cotangent if p.has_reference else through_forward
+
+    def jvp_of_vjp(vjp: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+        return _programs.jit(
+            lambda d, ct, t: jax.jvp(lambda d: vjp(d, ct), (d,), (t,))[1]
+        )
+
+    def vjp_of_vjp(vjp: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+        def program(d: Any, ct: Any, u: Any) -> Any:
+            _, pullback = jax.vjp(lambda d: vjp(d, ct), d)
+            return pullback(u)[0]
+
+        return _programs.jit(program)
+
+    worst: dict[str, Any] = {}
+    if "fwd" in o.modes and p.forward_mode() is not False:
+        expected = jvp_of_vjp(reference)(p.diff, p.ct, p.t)
+        with _where("JVP of VJP"):
+            actual = jvp_of_vjp(p.vjp)(p.diff, p.ct, p.t)
+            worst = p.compare(actual, expected, "jvp(vjp)(args)", check_dtype=False)
+    u = _random_like(p.rng("ct2"), p.diff)
+    expected = vjp_of_vjp(reference)(p.diff, p.ct, u)
+    with _where("VJP of VJP"):
+        actual = vjp_of_vjp(p.vjp)(p.diff, p.ct, u)
+        figures = p.compare(actual, expected, "vjp(vjp)(args)", check_dtype=False)
+    return worst or figures
+
+
+def _no_forward(p: _Problem, o: _Options) -> str | None:
+    return None if p.forward is not None else "no `forward` reference given"
+
+
+def _no_derivative(p: _Problem, o: _Options) -> str | None:
+    return None if p.derivative is not None else "no `derivative` reference given"
+
+
+def _no_reference(p: _Problem, o: _Options) -> str | None:
+    if p.has_reference:
+        return None
+    return "no `derivative` or `reference_vjp` reference given"
+
+
+def _one_mode(p: _Problem, o: _Options) -> str | None:
+    return None if "rev" in o.modes else "needs both modes"
+
+
+def _one_group(p: _Problem, o: _Options) -> str | None:
+    if len(p.groups) > 1:
+        return None
+    return "one differentiable argument: perturbing it alone is `jvp` and `vjp`"
+
+
+def _not_true_derivative(p: _Problem, o: _Options) -> str | None:
+    if o.finite_differences:
+        return None
+    return "not a true derivative (or a reference was given)"
+
+
+def _first_order(p: _Problem, o: _Options) -> str | None:
+    if o.order < 2:
+        return "`order=1` (pass `order=2` to check second derivatives)"
+    if p.has_reference or (o.finite_differences and p.forward is not None):
+        return None
+    return (
+        "no reference for second derivatives: give `derivative` or "
+        "`reference_vjp` (or `forward`, for a true derivative)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    """`run`: the check. `needs`: the mode without which it does not apply (`""`:
+    either). `skip`: why it does not apply to this problem, if it does not."""
+
+    run: Callable[[_Problem, _Options], dict[str, Any] | str]
+    needs: str = ""
+    skip: Callable[[_Problem, _Options], str | None] | None = None
+
+
+TABLE: dict[str, _Check] = {
+    "primal": _Check(_check_primal, "", _no_forward),
+    "jvp": _Check(_check_jvp, "fwd", _no_derivative),
+    "linearity": _Check(_check_linearity, "fwd"),
+    "vjp": _Check(_check_vjp, "rev", _no_reference),
+    "transpose": _Check(_check_transpose, "fwd", _one_mode),
+    "held_fixed": _Check(_check_held_fixed, "", _one_group),
+    "finite_differences": _Check(
+        _check_finite_differences, "rev", _not_true_derivative
+    ),
+    "batching": _Check(_check_batching, "rev"),
+    "jit": _Check(_check_jit, "rev"),
+    "zero_cotangent": _Check(_check_zero_cotangent, "rev"),
+    "dtype": _Check(_check_dtype, "rev"),
+    "second_order": _Check(_check_second_order, "rev", _first_order),
+}

@@ -1,0 +1,233 @@
+"""Comparing a rule's (co)tangents with their references, on the host in NumPy.
+
+Every function here that does arithmetic runs under `np.errstate(all="ignore")`:
+infinities and NaNs in the values compared are data, not errors, and a NumPy warning
+raised by the checker's own arithmetic must never be mistaken for (or, under
+`filterwarnings = error`, turn into) a failure of the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-9, 1e-9),
+    "float32": (1e-5, 1e-6),
+    "float16": (4e-3, 4e-3),
+    "bfloat16": (4e-2, 4e-2),
+}
+"""`(rtol, atol)` per dtype. An element passes when `|actual - expected| <= atol +
+rtol * |expected|`. About four units in the last place for the low-precision types,
+where the rule and its reference may round in a different order."""
+
+
+class _Failure(Exception):
+    def __init__(self, detail: str, **figures: Any):
+        super().__init__(detail)
+        self.detail = detail
+        self.figures = figures
+
+
+def _dtype_name(x: Any) -> str:
+    return jnp.dtype(x.dtype if hasattr(x, "dtype") else jnp.result_type(x)).name
+
+
+def _tolerance(dtype_name: str, rtol: float | None, atol: float | None):
+    r, a = DEFAULT_TOLERANCES.get(dtype_name, DEFAULT_TOLERANCES["float32"])
+    return (r if rtol is None else rtol), (a if atol is None else atol)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _is_inexact(x: Any) -> bool:
+    """An inexact array, or the shape and dtype of one (`jax.ShapeDtypeStruct`)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+    return eqx.is_inexact_array(x)
+
+
+def _x64() -> bool:
+    return jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
+
+
+def _lowest_precision(*trees: Any) -> str:
+    order = ["bfloat16", "float16", "float32", "float64"]
+    names = [
+        _dtype_name(x) for t in trees for x in jtu.tree_leaves(t) if _is_inexact(x)
+    ]
+    ranked = [n for n in order if n in names]
+    return ranked[0] if ranked else "float32"
+
+
+def _scalar(x: Any) -> complex | float:
+    x = x.item()
+    return x if isinstance(x, complex) else float(x)
+
+
+def _element(actual: np.ndarray, expected: np.ndarray, flat: int) -> dict[str, Any]:
+    """The figures naming one element: its index, and both sides' values there."""
+    index = tuple(int(i) for i in np.unravel_index(flat, actual.shape))
+    return dict(
+        index=index,
+        actual=_scalar(actual.reshape(-1)[flat]),
+        expected=_scalar(expected.reshape(-1)[flat]),
+    )
+
+
+@np.errstate(all="ignore")
+def _compare(
+    actual: Any,
+    expected: Any,
+    *,
+    prefix: str,
+    rtol: float | None,
+    atol: float | None,
+    scale: Any = None,
+    check_dtype: bool = True,
+    floor: str | None = None,
+) -> dict[str, Any]:
+    """Fail (raise `_Failure`) unless every leaf agrees. Returns the figures: the
+    leaf with the largest absolute error, and its worst element."""
+    a_leaves, a_def = jtu.tree_flatten_with_path(actual, is_leaf=_is_none)
+    e_leaves, e_def = jtu.tree_flatten_with_path(expected, is_leaf=_is_none)
+    if a_def != e_def:
+        raise _Failure(
+            f"the pytree structure differs from the reference's: {a_def} vs {e_def}",
+            path=prefix,
+        )
+    s_leaves = (
+        [None] * len(a_leaves)
+        if scale is None
+        else jtu.tree_leaves(scale, is_leaf=_is_none)
+    )
+    worst: dict[str, Any] = dict(
+        path="", max_abs_error=0.0, max_rel_error=0.0, rtol=0.0, atol=0.0
+    )
+    for (path, a), (_, e), s in zip(a_leaves, e_leaves, s_leaves):
+        where = prefix + jtu.keystr(path)
+        if a is None or e is None:
+            if a is not e:
+                raise _Failure("one side is None, the other is not", path=where)
+            continue
+        if jnp.shape(a) != jnp.shape(e):
+            raise _Failure(
+                f"shape {jnp.shape(a)} differs from the reference's {jnp.shape(e)}",
+                path=where,
+            )
+        if check_dtype and _dtype_name(a) != _dtype_name(e):
+            raise _Failure(
+                f"dtype {_dtype_name(a)} differs from the reference's {_dtype_name(e)}",
+                path=where,
+            )
+        if _dtype_name(e) == "float0":
+            continue
+        r, t = _tolerance(_dtype_name(e), rtol, atol)
+        if floor is not None:
+            fr, ft_ = _tolerance(floor, rtol, atol)
+            r, t = max(r, fr), max(t, ft_)
+        complex_ = jnp.issubdtype(jnp.result_type(a), jnp.complexfloating)
+        wide = (np.complex128 if complex_ else np.float64) if _x64() else np.float32
+        an = np.asarray(a).astype(wide)
+        en = np.asarray(e).astype(an.dtype)
+        sn = np.abs(en) if s is None else np.abs(np.asarray(s)).astype(np.float64)
+        a_nan, e_nan = np.isnan(an), np.isnan(en)
+        if np.any(a_nan != e_nan):
+            which = (
+                "NaN where the reference is finite"
+                if np.any(a_nan & ~e_nan)
+                else "finite where the reference is NaN"
+            )
+            flat = int(np.argmax((a_nan != e_nan).reshape(-1)))
+            raise _Failure(which, path=where, rtol=r, atol=t, **_element(an, en, flat))
+        same_inf = np.isinf(an) & (an == en)
+        err = np.where(a_nan | same_inf, 0.0, np.abs(an - en))
+        err = np.where(np.isnan(err), np.inf, err)
+        bound = t + r * np.where(np.isinf(sn), 0.0, sn)
+        rel = np.where(np.abs(en) > 0, err / np.abs(en), np.where(err > 0, np.inf, 0))
+        abs_max = float(err.max()) if err.size else 0.0
+        rel_max = float(rel.max()) if rel.size else 0.0
+        bad = err > bound
+        # The worst element: the largest error among those out of tolerance.
+        flat = int(np.argmax(np.where(bad, err, -1.0))) if err.size else 0
+        figures = dict(
+            path=where, max_abs_error=abs_max, max_rel_error=rel_max, rtol=r, atol=t
+        )
+        if err.size:
+            figures.update(_element(an, en, flat))
+        if abs_max >= worst["max_abs_error"]:
+            worst = figures
+        if np.any(bad):
+            raise _Failure(
+                "values differ from the reference beyond tolerance", **figures
+            )
+    return worst
+
+
+@np.errstate(all="ignore")
+def _vdot(a: Any, b: Any) -> tuple[float, float]:
+    """`<a, b>` over all inexact leaves, in float64 NumPy, and `sum |a * b|`."""
+    total, scale = 0.0, 0.0
+    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)):
+        if not eqx.is_inexact_array(x):
+            continue
+        xy = np.asarray(x, np.float64) * np.asarray(y, np.float64)
+        total += float(xy.sum())
+        scale += float(np.abs(xy).sum())
+    return total, scale
+
+
+@np.errstate(all="ignore")
+def _identity(
+    lhs: float, s1: float, rhs: float, s2: float, **figures: Any
+) -> tuple[bool | None, dict[str, Any]]:
+    """Whether `lhs` (a sum of products whose absolute values sum to `s1`) equals
+    `rhs` within `atol + rtol * (s1 + s2)` (`None` if neither side is finite: the
+    identity then says nothing), and the figures."""
+    figures.update(
+        max_abs_error=abs(lhs - rhs),
+        max_rel_error=abs(lhs - rhs) / max(abs(lhs), 1e-30),
+        actual=rhs,
+        expected=lhs,
+    )
+    if not (np.isfinite(lhs) or np.isfinite(rhs)):
+        return None, figures
+    holds = abs(lhs - rhs) <= figures["atol"] + figures["rtol"] * (s1 + s2)
+    return bool(holds), figures
+
+
+@np.errstate(all="ignore")
+def _host_combination(a: Any, b: Any) -> Any:
+    """`2 a - b / 2` in NumPy, in the leaves' dtype; float0 leaves pass through."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == jax.dtypes.float0:
+        return a
+    return 2 * a - b / 2
+
+
+@np.errstate(all="ignore")
+def _linear_expected(a: Any, b: Any, got: Any) -> tuple[Any, Any]:
+    """What `J(2 t1 - t2 / 2)` must be given `a = J t1` and `b = J t2`, and the
+    scale of its tolerance. Where `a` or `b` is not finite linearity says nothing
+    (`inf - inf`), so `got` stands there and the element is not compared."""
+    combo = _host_combination(a, b)
+    if combo.dtype == jax.dtypes.float0:
+        return combo, np.zeros(combo.shape, np.float32)
+    a, b = np.asarray(a), np.asarray(b)
+    finite = np.isfinite(a) & np.isfinite(b)
+    expected = np.where(finite, combo, np.asarray(got)).astype(combo.dtype)
+    scale = 2 * np.abs(a.astype(np.float32)) + np.abs(b.astype(np.float32)) / 2
+    return expected, np.where(finite, scale, 0.0)
+
+
+@np.errstate(all="ignore")
+def _max_abs(x: np.ndarray) -> float:
+    x = np.abs(np.asarray(x, np.float64))
+    return float(np.where(np.isnan(x), np.inf, x).max()) if x.size else 0.0
