@@ -756,3 +756,27 @@ def test_a_changed_closed_over_array_is_checked_afresh():
     reference = jnp.ones(7)
     with pytest.raises(RuleCheckError):
         check_rule(f, X, derivative=lambda x: reference * x, checks=("vjp",))
+
+
+def test_linearity_tolerance_is_normwise_per_leaf():
+    """`linearity` bounds each element by rtol of the leaf's largest output, since a
+    floating-point JVP errs by ulps of the terms it sums, not of its (possibly
+    cancelled) result: softmax's JVP on jax 0.7 missed an elementwise bound by
+    1.19e-6 at an element of 1e-2. A nonlinear JVP is still far outside."""
+    from eqxrules.testing._compare import _compare, _linear_expected
+
+    a = np.array([2.0, 0.004], np.float32)  # J t1
+    b = np.array([1.0, -0.012], np.float32)  # J t2: 2a - b/2 = [3.5, 0.014]
+    exact = 2 * a - b / 2
+    rounded = exact + np.array([0.0, 1.2e-6], np.float32)  # cancellation's error
+    expected, scale = _linear_expected(a, b, rounded)
+    _compare(rounded, expected, prefix="jvp", rtol=1e-5, atol=1e-6, scale=scale)
+    # The same miss under an elementwise scale fails: the normwise one is needed.
+    elementwise = 2 * np.abs(a) + np.abs(b) / 2
+    with pytest.raises(Exception, match="beyond tolerance"):
+        _compare(
+            rounded, expected, prefix="jvp", rtol=1e-5, atol=1e-6, scale=elementwise
+        )
+    nonlinear = exact + np.array([0.0, 0.05], np.float32)  # t^2-like, O(1e-2)
+    with pytest.raises(Exception, match="beyond tolerance"):
+        _compare(nonlinear, expected, prefix="jvp", rtol=1e-5, atol=1e-6, scale=scale)

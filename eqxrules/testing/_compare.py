@@ -223,8 +223,22 @@ def _linear_expected(a: Any, b: Any, got: Any) -> tuple[Any, Any]:
     a, b = np.asarray(a), np.asarray(b)
     finite = np.isfinite(a) & np.isfinite(b)
     expected = np.where(finite, combo, np.asarray(got)).astype(combo.dtype)
+    # The tolerance scales with the leaf's largest |2 J t1| + |J t2 / 2|, not with
+    # each element's own. A JVP evaluated in floating point errs, per element, by a
+    # few ulps of the largest term it sums, not of its result, which cancellation
+    # can make arbitrarily small. Softmax's JVP (Gumbel-softmax's derivative) is
+    # the case in point: y_i (t_i - <y, t>) / tau errs by up to about
+    # (n + 4) u y_i (|t_i| + <y, |t|>) / tau (n categories, u = 2^-24 in float32),
+    # yet is 1e-2 where t_i nearly equals <y, t>; an elementwise bound of
+    # rtol * 1e-2 then fails a correct rule (jax 0.7 evaluates it in another order
+    # and misses by 1.19e-6). The terms y_i (|t_i| + <y, |t|>) / tau are of the
+    # size of the leaf's largest outputs, so the error is about (n + 4) u ~ 5e-7
+    # (n = 4) of the largest, 20 times inside rtol = 1e-5 of it; a JVP that is not
+    # linear (t^2, |t|) still errs by O(1) of it and fails.
     scale = 2 * np.abs(a.astype(np.float32)) + np.abs(b.astype(np.float32)) / 2
-    return expected, np.where(finite, scale, 0.0)
+    scale = np.where(finite, scale, 0.0)
+    largest = float(scale.max()) if scale.size else 0.0
+    return expected, np.where(finite, largest, 0.0)
 
 
 @np.errstate(all="ignore")
