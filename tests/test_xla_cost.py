@@ -1,15 +1,12 @@
 """Zero overhead, as XLA counts it: a rule costs the flops and temp bytes of the same
 maths written as a plain `jax.custom_jvp` (`custom_vjp`), inside a jitted
 forward+backward. These figures are deterministic (no wall clock), so they can be
-tested; `benchmarks/run.py` reports them for every rule."""
+tested; `python -m benchmarks` reports them for every rule."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools as ft
-import importlib.util
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,21 +14,10 @@ import numpy as np
 import pytest
 
 import eqxrules
+from benchmarks import baselines, cases, networks, xla
+from benchmarks.config import QUICK
 
-_RUN = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
-
-
-def _load_benchmarks():
-    spec = importlib.util.spec_from_file_location("eqxrules_benchmarks", _RUN)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmarks()
-SIZES = dataclasses.replace(bench.QUICK, width=16, depth=2, batch=8, cnn_batch=4)
+SIZES = dataclasses.replace(QUICK, width=16, depth=2, batch=8, cnn_batch=4)
 ENTRIES = {e.name: e for e in eqxrules.catalogue()}
 
 
@@ -43,7 +29,7 @@ def _random_digits(monkeypatch):
         rng.integers(0, 17, (64, 64)).astype(np.float32),
         rng.integers(0, 10, 64).astype(np.int32),
     )
-    monkeypatch.setattr(bench, "_digits", lambda: data)
+    monkeypatch.setattr(networks, "digits", lambda: data)
 
 
 def _rule(name: str, index: int = 0):
@@ -51,7 +37,7 @@ def _rule(name: str, index: int = 0):
 
 
 def _figures(loss, params, data) -> tuple[float, int]:
-    f = bench.xla_figures(jax.value_and_grad(loss), params, data)
+    f = xla.figures(jax.value_and_grad(loss), params, data)
     return f["flops"], f["temp"]
 
 
@@ -63,7 +49,7 @@ def _costs(case) -> dict[str, tuple[float, int]]:
 
 
 def test_scaled_model_around_an_mlp_costs_what_hand_written_costs():
-    for case in bench.scaled_model_cases(SIZES)[:2]:  # exact, skip_scale
+    for case in cases.scaled_model_cases(SIZES)[:2]:  # exact, skip_scale
         costs = _costs(case)
         assert costs["eqxrules"] == costs["hand"], case.rule
 
@@ -72,19 +58,19 @@ def test_scaled_model_around_an_mlp_costs_what_hand_written_costs():
 def test_rule_in_a_network_costs_what_hand_written_costs(name):
     """`ste_sign` in a binarised MLP, `gradient_reversal` (a JVP rule) and
     `clip_gradient` (a VJP rule) in a two-head net."""
-    (case,) = bench.cases_for(ENTRIES[name], SIZES, [0], cnn=False)
+    (case,) = cases.cases_for(ENTRIES[name], SIZES, [0], cnn=False)
     costs = _costs(case)
     assert costs["eqxrules"] == costs["hand"], costs
 
 
 def test_rule_saves_the_residuals_hand_written_saves():
     rule = _rule("ste_sign")
-    variants = bench.build_variants(rule, {})
+    variants = baselines.build_variants(rule, {})
     x = jnp.linspace(-2.0, 2.0, 64).reshape(8, 8)
 
     def saved(v):
         f = ft.partial(variants[v], None)
-        return [(a.shape, a.dtype) for a, _ in bench._saved_residuals(f, x)]
+        return [(a.shape, a.dtype) for a, _ in xla.saved_residuals(f, x)]
 
     assert saved("eqxrules") == saved("hand")
 
@@ -105,8 +91,8 @@ def test_a_wasteful_hand_written_rule_is_told_apart():
         out = rule.primal(x)
         return out, rule.tangent((x,), (t,), None, out) * (1 + 0 * jnp.sin(x))
 
-    ws = bench.mlp_weights(SIZES)
-    data = bench.digits_batch(SIZES.batch)
-    ours = _figures(bench.binarised_mlp_loss(rule), ws, data)
-    theirs = _figures(bench.binarised_mlp_loss(wasteful), ws, data)
+    ws = networks.mlp_weights(SIZES)
+    data = networks.digits_batch(SIZES.batch)
+    ours = _figures(networks.binarised_mlp_loss(rule), ws, data)
+    theirs = _figures(networks.binarised_mlp_loss(wasteful), ws, data)
     assert ours[0] < theirs[0]

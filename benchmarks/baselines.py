@@ -1,0 +1,166 @@
+"""The baselines every rule is measured against, built generically from the rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+import eqxrules
+
+VARIANTS = ("eqxrules", "hand", "hand_ref", "trick")
+VARIANT_NAMES = {
+    "eqxrules": "eqxrules",
+    "hand": "hand-written, same maths",
+    "hand_ref": "hand-written from the references",
+    "trick": "stop_gradient trick",
+    "quantized_hand": "`Quantized` + hand-written rule",
+}
+
+
+def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
+    """`{variant: fn(dyn, x)}` for one rule instance, where `dyn` holds the rule's
+    floating-point arrays (a wrapped sub-model's parameters, say):
+
+    - `eqxrules`: the rule as shipped, `rule(x)`;
+    - `hand`: a plain `jax.custom_jvp` (or `custom_vjp`) calling the rule's own
+      `primal` and `tangent` (`fwd`/`bwd`): what the mechanism must cost no more than;
+    - `hand_ref`: a plain `jax.custom_jvp` whose value is `reference_forward` and whose
+      tangent is `jax.jvp` of `reference_derivative` (or a `custom_vjp` calling
+      `reference_vjp`): the rule written by hand from its independent references;
+    - `trick`: `d + stop_gradient(f - d)` with `f = reference_forward` and
+      `d = reference_derivative`, where the rule has a `reference_derivative`.
+    """
+    _, static = eqx.partition(rule, eqx.is_inexact_array)
+    kw = dict(kwargs)
+
+    def rebuild(dyn: Any) -> Any:
+        return eqx.combine(dyn, static)
+
+    def ours(dyn, x):
+        return rebuild(dyn)(x, **kw)
+
+    variants: dict[str, Callable] = {"eqxrules": ours}
+    if isinstance(rule, eqxrules.JVPRule):
+        variants["hand"] = _hand_jvp(rebuild, kw)
+    else:
+        variants["hand"] = _hand_vjp(rebuild, kw)
+    has_derivative = (
+        type(rule).reference_derivative is not eqxrules.Rule.reference_derivative
+    )
+    if has_derivative:
+        variants["hand_ref"] = _ref_jvp(rebuild, kw)
+
+        def trick(dyn, x):
+            r = rebuild(dyn)
+            d = r.reference_derivative(x, **kw)
+            f = r.reference_forward(x, **kw)
+            return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
+
+        variants["trick"] = trick
+    else:
+        variants["hand_ref"] = _ref_vjp(rebuild, kw)
+    return variants
+
+
+def _custom_jvp(value: Callable, tangent: Callable) -> Callable:
+    """A plain `jax.custom_jvp` of `(dyn, x)`: `tangent(primals, tangents, out)`."""
+    f = jax.custom_jvp(value)
+    f.defjvp(lambda primals, tangents: _with_tangent(value, tangent, primals, tangents))
+    return f
+
+
+def _with_tangent(value, tangent, primals, tangents):
+    out = value(*primals)
+    return out, tangent(primals, tangents, out)
+
+
+def _hand_jvp(rebuild: Callable, kw: dict[str, Any]) -> Callable:
+    def tangent(primals, tangents, out):
+        (dyn, x), (t_dyn, t_x) = primals, tangents
+        t = rebuild(dyn).tangent((x,), (t_x,), t_dyn, out, **kw)
+        return _instantiate(t, out)
+
+    return _custom_jvp(lambda dyn, x: rebuild(dyn).primal(x, **kw), tangent)
+
+
+def _ref_jvp(rebuild: Callable, kw: dict[str, Any]) -> Callable:
+    def tangent(primals, tangents, out):
+        derivative = lambda d, x: rebuild(d).reference_derivative(x, **kw)  # noqa: E731
+        return jax.jvp(derivative, primals, tangents)[1]
+
+    return _custom_jvp(lambda dyn, x: rebuild(dyn).reference_forward(x, **kw), tangent)
+
+
+def _instantiate(t: Any, like: Any) -> Any:
+    """A JVP rule's tangent with `None` (symbolic zero) made explicit zeros, as a
+    plain `jax.custom_jvp` rule must return."""
+    if t is None:
+        return jtu.tree_map(jnp.zeros_like, like)
+    return jtu.tree_map(
+        lambda t, o: jnp.zeros_like(o) if t is None else t,
+        t,
+        like,
+        is_leaf=lambda v: v is None,
+    )
+
+
+def _hand_vjp(rebuild: Callable, kw: dict[str, Any]) -> Callable:
+    # Saves exactly what the rule's `fwd` returns, plus `x` only if its `bwd` reads
+    # the arguments (as a careful hand-written `custom_vjp` would).
+    shapes: dict[str, Any] = {}
+
+    def make(lean: bool) -> Callable:
+        def fwd(dyn, x):
+            out, res = rebuild(dyn).fwd(x, **kw)
+            shapes["x"] = jax.eval_shape(lambda: x)
+            return out, (res, dyn, None if lean else x)
+
+        def bwd(saved, ct):
+            res, dyn, x = saved
+            (ct_x,) = rebuild(dyn).bwd(res, ct, (x,), **kw)
+            if ct_x is None:
+                ct_x = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["x"])
+            return jtu.tree_map(jnp.zeros_like, dyn), ct_x
+
+        f = jax.custom_vjp(lambda dyn, x: rebuild(dyn).primal(x, **kw))
+        f.defvjp(fwd, bwd)
+        return f
+
+    lean, full = make(True), make(False)
+
+    def f(dyn, x):
+        try:
+            jax.eval_shape(jax.grad(lambda x: total(lean(dyn, x))), x)
+        except Exception:
+            return full(dyn, x)
+        return lean(dyn, x)
+
+    return f
+
+
+def _ref_vjp(rebuild: Callable, kw: dict[str, Any]) -> Callable:
+    def fwd(dyn, x):
+        return rebuild(dyn).reference_forward(x, **kw), (dyn, x)
+
+    def bwd(saved, ct):
+        dyn, x = saved
+        _, ct_x = rebuild(dyn).reference_vjp(ct, x, **kw)
+        return jtu.tree_map(jnp.zeros_like, dyn), ct_x
+
+    f = jax.custom_vjp(lambda dyn, x: rebuild(dyn).reference_forward(x, **kw))
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def total(tree: Any) -> Any:
+    """The sum of every floating-point leaf, in float32."""
+    return sum(
+        jnp.sum(x.astype(jnp.float32))
+        for x in jtu.tree_leaves(tree)
+        if eqx.is_inexact_array(x)
+    )

@@ -1,0 +1,160 @@
+"""The command line: which sections to run, at which sizes, and where the report
+and its JSON go."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import benchmarks
+import eqxrules
+
+from . import report
+from .config import FULL, QUICK, ROOT, Job
+from .sections import SECTIONS
+
+BY_NAME = {s.NAME: s for s in SECTIONS}
+
+
+def render(results: dict[str, Any]) -> str:
+    """The whole report, from the figures of every section measured."""
+    lines = report.header(results, list(BY_NAME))
+    for section in SECTIONS:
+        lines += section.render(results.get(section.NAME), results)
+    return "\n".join(lines) + "\n"
+
+
+def _entries(names: str | None) -> list[Any]:
+    entries = list(eqxrules.catalogue())
+    if names:
+        wanted = set(names.split(","))
+        unknown = wanted - {e.name for e in entries}
+        if unknown:
+            raise SystemExit(f"unknown rule(s): {', '.join(sorted(unknown))}")
+        entries = [e for e in entries if e.name in wanted]
+    return entries
+
+
+def _binariser(name: str) -> Any:
+    by_name = {e.name: e for e in eqxrules.catalogue()}
+    if name not in by_name:
+        raise SystemExit(f"`--binariser` {name!r} is not in the catalogue")
+    return by_name[name].examples(jax.random.key(0))[0]
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items() if k != "compiled"}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return x
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=benchmarks.__doc__.splitlines()[0],
+        epilog="sections:\n"
+        + "\n".join(f"  {s.NAME:<11}{s.__doc__.splitlines()[0]}" for s in SECTIONS),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, for developing")
+    p.add_argument("--json", action="store_true", help="also write the figures as JSON")
+    p.add_argument(
+        "--suite", action="store_true", help="also time pytest and the CLI (minutes)"
+    )
+    p.add_argument("--only", help=f"comma-separated sections of {tuple(BY_NAME)}")
+    p.add_argument("--rules", help="comma-separated catalogue names (default: all)")
+    p.add_argument(
+        "--all-examples",
+        action="store_true",
+        help="every example of each rule, not just the first (XLA figures only)",
+    )
+    p.add_argument("--binariser", default="ste_sign", help="rule of the binarised net")
+    p.add_argument(
+        "--out",
+        help="the report (default `benchmarks/RESULTS.md`, with `--quick` "
+        "`benchmarks/RESULTS.quick.md`); the JSON goes next to it, as `.json`",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other sections of the JSON next to the report, replace the "
+        "ones run now, and re-render (implies --json)",
+    )
+    p.add_argument(
+        "--render", action="store_true", help="only re-render the saved JSON"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
+    """Run the chosen sections and write the report. `prog` is how this was invoked,
+    recorded with each section's figures."""
+    args = _parser(prog).parse_args(argv)
+    if args.only:
+        names = args.only.split(",")
+    else:
+        names = [s.NAME for s in SECTIONS if s.DEFAULT]
+    if args.render:
+        args.merge, names = True, []
+    if args.suite and "suite" not in names:
+        names.append("suite")
+    unknown = set(names) - set(BY_NAME)
+    if unknown:
+        raise SystemExit(f"unknown section(s): {', '.join(sorted(unknown))}")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    given = sys.argv[1:] if argv is None else []
+    command = " ".join([prog, *given])
+    name = "RESULTS.quick.md" if args.quick else "RESULTS.md"
+    out = pathlib.Path(args.out or ROOT / "benchmarks" / name)
+    json_path = out.with_suffix(".json")
+    results: dict[str, Any] = {}
+    if args.merge and json_path.exists():
+        results = json.loads(json_path.read_text())
+        if results.get("quick", False) != args.quick:
+            raise SystemExit("`--merge`: the saved results are of the other size")
+    results.update(machine=report.machine(), quick=args.quick)
+    job = Job(
+        sizes=QUICK if args.quick else FULL,
+        quick=args.quick,
+        entries=_entries(args.rules),
+        binariser=_binariser(args.binariser),
+        all_examples=args.all_examples,
+        log=log,
+    )
+    started = time.perf_counter()
+    for section in names:
+        log(f"[{time.perf_counter() - started:6.0f}s] {section}")
+        measured = dict(
+            date=report.now(),
+            command=command,
+            code=report.code_version(),
+            load=[os.getloadavg()[0]],
+        )
+        section_job = dataclasses.replace(job, previous=results.get(section))
+        results[section] = BY_NAME[section].run(section_job)
+        measured["load"].append(os.getloadavg()[0])
+        results[section]["measured"] = measured
+    seconds = time.perf_counter() - started
+    out.write_text(render(results))
+    log(f"wrote {out} in {seconds:.0f}s")
+    if args.json or args.merge:
+        json_path.write_text(json.dumps(_jsonable(results), indent=1))
+        log(f"wrote {json_path}")
+    return 0

@@ -1,0 +1,56 @@
+"""Wall time of `python -m pytest` and of `python -m eqxrules` (only with `--suite`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+from .. import report
+from ..config import ROOT, Job
+
+NAME = "suite"
+DEFAULT = False  # minutes: only with `--suite` or `--only suite`
+COMMANDS = {
+    "pytest": [sys.executable, "-m", "pytest"],
+    "cli": [sys.executable, "-m", "eqxrules"],
+}
+
+
+def run(job: Job) -> dict[str, Any]:
+    out = {}
+    for name, cmd in COMMANDS.items():
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        seconds = time.perf_counter() - t0
+        lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
+        summary = [
+            line for line in lines if re.search(r"\d+ (passed|failed|error)", line)
+        ]
+        tail = summary or lines
+        out[name] = dict(
+            command=" ".join(["python"] + cmd[1:]),
+            seconds=seconds,
+            returncode=proc.returncode,
+            last_line=tail[-1] if tail else proc.stderr.strip()[-200:],
+            load_before=load,
+        )
+        job.log(f"  {name}: {seconds:.1f}s rc={proc.returncode}")
+    return out
+
+
+def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
+    if res is None:
+        return []
+    lines = report.opening(NAME, res, results, script=report.SCRIPT)
+    for name in COMMANDS:
+        r = res[name]
+        lines.append(
+            f"| `{r['command']}` | {r['seconds']:.1f} | {r['returncode']} | "
+            f"{r['last_line']} | {r['load_before']:.1f} |"
+        )
+    return lines + [""]
