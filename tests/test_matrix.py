@@ -600,9 +600,12 @@ def _forward_mode(case: Case, dtype: str) -> None:
 @situation("reverse_only", examples=_when(lambda e: not e.forward_mode))
 def _reverse_only(case: Case, dtype: str) -> None:
     """Forward mode on a reverse-only rule fails with a `TypeError` naming it, also
-    under `jit` and `vmap`. `jax.linearize` raises JAX's own `TypeError` when its
-    linear function is evaluated, outside the rule's code, so it cannot name the
-    rule (see the README's misuse table). Reverse mode still traces afterwards."""
+    under `vmap`. Under `jit`, and for `jax.linearize`'s linear function evaluated
+    forward, JAX raises its own `TypeError` outside the rule's code, so it cannot
+    name the rule (see the README's misuse table). Reverse mode works, on every
+    supported JAX version (before 0.7 `grad` used the same tracer as `jvp`):
+    `grad`, `vjp`, `jacrev`, `linearize` + `linear_transpose` and `grad∘checkpoint`
+    all give the same gradient."""
     rule, x, xs = case.rule, case.x(), case.xs()
 
     def F(x):
@@ -616,6 +619,17 @@ def _reverse_only(case: Case, dtype: str) -> None:
     with pytest.raises(TypeError, match="custom_vjp|supports reverse mode only"):
         jax.jit(lambda x: jax.linearize(F, x)[1](x))(x)
     assert jax.eval_shape(jax.grad(F), x).shape == x.shape
+    g = jax.grad(F)(x)
+    _, pullback = jax.vjp(F, x)
+    _, linear = jax.linearize(F, x)
+    (transposed,) = jax.linear_transpose(linear, x)(jnp.ones((), jnp.float32))
+    for name, other in (
+        ("vjp", pullback(jnp.ones((), jnp.float32))[0]),
+        ("jacrev", jax.jacrev(F)(x)),
+        ("linearize+linear_transpose", transposed),
+        ("grad∘checkpoint", jax.grad(jax.checkpoint(F))(x)),
+    ):
+        _assert_close(other, g, name)
 
 
 @situation("second_order", examples=_first_higher_order)
