@@ -1,101 +1,29 @@
 """`python -m eqxrules`: verify the catalogue on this machine, list it, check a
 user's rule, or plot rules."""
 
-from __future__ import annotations
-
 import argparse
-import contextlib
-import functools as ft
-import importlib
-import inspect
 import json
-import sys
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from ._catalogue import Entry, Rule, catalogue
+from ._catalogue import Entry, catalogue
+from ._cli_check import (
+    _check,
+    _seed,
+)
+from ._cli_output import (
+    _LEGEND,
+    _device_line,
+    _header,
+    _line,
+    _no_warnings,
+    _row,
+    _say,
+    _stream_widths,
+    _table,
+)
 from ._verify import EntryResult, verify
-from .testing import CHECKS, RuleReport, check_rule
-
-_SYMBOL = {"passed": "ok", "failed": "FAIL", "unsupported": "n/a", "skipped": "-"}
-# Column names where a check's own name is too wide for the table.
-_SHORT = {
-    "linearity": "linear",
-    "transpose": "transp",
-    "finite_differences": "fd",
-    "held_fixed": "held",
-    "batching": "vmap",
-    "zero_cotangent": "zero",
-    "second_order": "2nd",
-}
-_LEGEND = "ok = passed, FAIL = failed, n/a = mode not supported, - = not applicable"
-_MODES_WIDTH = len("fwd+rev")
-_SEED_LIMIT = 2**63  # `jax.random.key` takes a seed that fits an int64
-
-
-def _say(*lines: str, err: bool = False) -> None:
-    """Print and flush at once, so that a pipe or a CI log sees each line as it
-    happens, not when the buffer fills."""
-    stream = sys.stderr if err else sys.stdout
-    for line in lines:
-        print(line, file=stream, flush=True)
-
-
-@contextlib.contextmanager
-def _no_warnings(verbose: bool) -> Iterator[None]:
-    """Keep warnings raised while checking (NumPy's divide-by-zero in a relative
-    error where the reference is 0, say) off the terminal: the report says what
-    went wrong. With `--verbose` each distinct warning is shown once, as a note."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    if verbose:
-        seen = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
-        _say(*(f"note: a check warned {w}" for w in seen), err=True)
-
-
-def _device_line() -> str:
-    devices = jax.devices()
-    d = devices[0]
-    return (
-        f"JAX {jax.__version__} on backend {jax.default_backend()!r}: "
-        f"{len(devices)} x {d.device_kind} ({d.platform})"
-    )
-
-
-def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
-    return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([_line(header, widths), rule, *(_line(r, widths) for r in rows)])
-
-
-def _header() -> list[str]:
-    return ["rule", "modes", *(_SHORT.get(c, c) for c in CHECKS), "time"]
-
-
-def _row(name: str, modes: str, status: Callable[[str], str], seconds: float):
-    return [name, modes, *(_SYMBOL[status(c)] for c in CHECKS), f"{seconds:.2f}s"]
-
-
-def _stream_widths(names: Sequence[str]) -> list[int]:
-    """Column widths fixed before any rule is verified, so that each row can be
-    printed as soon as its rule is done."""
-    symbol = max(len(s) for s in _SYMBOL.values())
-    name, modes, *checks, time = _header()
-    return [
-        max(len(name), *(len(n) for n in names)),
-        max(len(modes), _MODES_WIDTH),
-        *(max(len(h), symbol) for h in checks),
-        len(time),  # the last column: nothing after it to align
-    ]
+from .testing import CHECKS
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -216,198 +144,6 @@ def _list(args: argparse.Namespace) -> int:
             row.append(e.summary)
     _say(_table(rows, header))
     return 0
-
-
-def _import(spec: str, what: str) -> Callable[..., Any]:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise SystemExit(
-            f"eqxrules check: {what} (={spec!r}) must look like PKG.MODULE:NAME"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise SystemExit(f"eqxrules check: cannot import {module_name!r}: {e}") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise SystemExit(
-                f"eqxrules check: {module_name!r} has no attribute {attr!r}"
-            ) from None
-    if not callable(obj):
-        raise SystemExit(f"eqxrules check: {spec!r} is not callable")
-    return obj
-
-
-def _seed(flag: str) -> Callable[[str], int]:
-    """An argparse `type` for a PRNG seed, whose error names `flag` and the value."""
-
-    def parse(text: str) -> int:
-        try:
-            seed = int(text)
-        except ValueError:
-            seed = -1
-        if not 0 <= seed < _SEED_LIMIT:
-            raise argparse.ArgumentTypeError(
-                f"`{flag}` (={text!r}) must be a non-negative integer below 2**63, "
-                "e.g. 0"
-            )
-        return seed
-
-    return parse
-
-
-def _catalogued(obj: Any, spec: str) -> tuple[Entry, Rule | None] | None:
-    """The catalogue entry of a functional form, a Module class or an instance of
-    one (with the instance the check calls: a class is built with its defaults)."""
-    for e in catalogue():
-        if obj is e.function:
-            return e, None
-        if type(obj) is e.module:
-            return e, obj
-        if obj is e.module:
-            try:
-                return e, e.module()
-            except (TypeError, ValueError) as err:
-                raise SystemExit(
-                    f"eqxrules check: {spec!r} is a Module class that cannot be built "
-                    f"with its defaults ({err}); point at an instance instead"
-                ) from None
-    return None
-
-
-def _key_parameter(fn: Callable[..., Any]) -> str | None:
-    """`"required"` or `"optional"` if `fn` takes a `key` argument by name (with or
-    without a default), else `None`."""
-    try:
-        param = inspect.signature(fn).parameters.get("key")
-    except (TypeError, ValueError):
-        return None
-    if param is None or param.kind in (param.POSITIONAL_ONLY, param.VAR_POSITIONAL):
-        return None
-    return "required" if param.default is param.empty else "optional"
-
-
-def _with_key(fn: Callable[..., Any] | None, key: Any) -> Callable[..., Any] | None:
-    if fn is None or key is None or _key_parameter(fn) is None:
-        return fn
-    return ft.partial(fn, key=key)
-
-
-def _fd_hint(args: argparse.Namespace) -> str:
-    return (
-        f"hint: if `{args.rule}` is a straight-through (surrogate) rule, its "
-        "derivative is not the derivative of its value, so finite differences "
-        "cannot check it: pass the surrogate with `--derivative PKG.MODULE:NAME`."
-    )
-
-
-def _target(args: argparse.Namespace, derivative: Any) -> tuple[Any, str | None]:
-    """The callable `check` checks, and how it takes a key (see `_key_parameter`).
-    A catalogue rule that is not exact is refused without `--derivative`: finite
-    differences, the only check left, would fail for a reason that is no bug."""
-    fn = _import(args.rule, "the rule")
-    found = _catalogued(fn, args.rule)
-    if found is None:
-        return fn, _key_parameter(fn)
-    entry, instance = found
-    exact = entry.exact if instance is None else instance.is_exact()
-    if not exact and derivative is None:
-        raise SystemExit(
-            f"eqxrules check: `{entry.name}` is not exact: its derivative is a "
-            "straight-through surrogate's, not the derivative of its value, so "
-            "finite differences cannot check it. Pass the surrogate with "
-            "`--derivative PKG.MODULE:NAME`, or run `python -m eqxrules verify "
-            f"{entry.name}` to check it against its own references."
-        )
-    if instance is None:
-        return fn, _key_parameter(fn)
-    # Every Module accepts `key=`; whether it needs one is its `primal`'s say.
-    return instance, _key_parameter(type(instance).primal)
-
-
-def _rule_key(args: argparse.Namespace, needs: str | None) -> tuple[Any, list[str]]:
-    """The key to pass the rule, and a note when it is the default. A rule that
-    needs a key gets `key(0)` without `--key`, as `verify` gives it a fixed one, so
-    that `check` works as it stands; `--key` for a rule that takes none is an error
-    rather than ignored."""
-    if args.key is not None:
-        if needs is None:
-            raise SystemExit(
-                f"eqxrules check: `--key` (={args.key}) was given, but `{args.rule}` "
-                "takes no `key` argument"
-            )
-        return jax.random.key(args.key), []
-    if needs == "required":
-        note = (
-            f"note: `{args.rule}` needs a PRNG key: using jax.random.key(0) "
-            "(choose another with `--key SEED`)"
-        )
-        return jax.random.key(0), [note]
-    return None, []
-
-
-def _check(args: argparse.Namespace) -> int:
-    forward = _import(args.forward, "`--forward`") if args.forward else None
-    derivative = _import(args.derivative, "`--derivative`") if args.derivative else None
-    fn, needs = _target(args, derivative)
-    try:
-        shape = tuple(int(s) for s in args.shape.split(",") if s.strip())
-    except ValueError:
-        raise SystemExit(
-            f"eqxrules check: `--shape` (={args.shape!r}) must be integers "
-            "separated by commas, e.g. 8,4"
-        ) from None
-    try:
-        dtype = jnp.dtype(args.dtype)
-    except TypeError:
-        raise SystemExit(f"eqxrules check: unknown `--dtype` {args.dtype!r}") from None
-    key, notes = _rule_key(args, needs)
-    x = jax.random.normal(jax.random.key(args.seed), shape, jnp.float32).astype(dtype)
-    try:
-        with _no_warnings(args.verbose):
-            report: RuleReport = check_rule(
-                _with_key(fn, key),
-                x,
-                forward=_with_key(forward, key),
-                derivative=_with_key(derivative, key),
-                raise_on_failure=False,
-                key=jax.random.key(args.seed),
-            )
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"eqxrules check: cannot check `{args.rule}`: {e}") from None
-    status = {r.name: r.status for r in report.results}
-    hints = (
-        [_fd_hint(args)]
-        if status.get("finite_differences") == "failed" and derivative is None
-        else []
-    )
-    if args.json:
-        _say(json.dumps(_report_json(args.rule, report, notes + hints), indent=2))
-        return 0 if report.passed else 1
-    modes = "fwd+rev" if report.forward_mode else "rev"
-    row = _row(args.rule, modes, lambda c: status.get(c, "skipped"), report.seconds)
-    _say(_device_line(), *notes, _table([row], _header()), _LEGEND)
-    shown = [r for r in report.results if r.status == "failed" or args.verbose]
-    _say(*(f"  {r.describe()}" for r in shown), *hints)
-    _say("passed" if report.passed else "FAILED")
-    return 0 if report.passed else 1
-
-
-def _report_json(rule: str, report: RuleReport, notes: list[str]) -> dict[str, Any]:
-    return {
-        "rule": rule,
-        "backend": jax.default_backend(),
-        "passed": report.passed,
-        "modes": ["fwd", "rev"] if report.forward_mode else ["rev"],
-        "checks": {
-            r.name: {"status": r.status, "message": r.describe()}
-            for r in report.results
-        },
-        "seconds": round(report.seconds, 3),
-        "notes": notes,
-    }
 
 
 def _plot(args: argparse.Namespace) -> int:
