@@ -205,7 +205,7 @@ class Frozen(_WrapperRule):
     def primal(self, x: PyTree, *, key: PRNGKeyArray | None = None) -> PyTree:
         return eqx.filter(call_with_key(_frozen(self.module), x, key), eqx.is_array)
 
-    def tangent(self, args, t_args, t_self, out, *, key=None):
+    def tangent(self, args, t_args, t_self, out, *, key=None, **kwargs):
         module = _frozen(self.module)
         t_out = partial_jvp(
             lambda x: eqx.filter(call_with_key(module, x, key), eqx.is_array),

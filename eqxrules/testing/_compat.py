@@ -16,6 +16,6 @@ def enable_x64() -> contextlib.AbstractContextManager[None]:
     new = getattr(jax, "enable_x64", None)
     if new is not None:
         return new(True)
-    from jax.experimental import enable_x64 as old
+    from jax.experimental import enable_x64 as old  # pyright: ignore[reportAttributeAccessIssue]
 
     return old(True)
