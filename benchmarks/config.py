@@ -28,7 +28,7 @@ class Sizes:
     checker_batch: int
     pairs: int  # interleaved A/B pairs for wall time
     trace_pairs: int
-    checker_pairs: int  # fresh-process pairs for the checker
+    checker_rounds: int  # rounds of one fresh process per way of checking
     checker_warm: int  # warm calls per process
     seeds: int  # seeds for the gradient difference
     target_s: float  # wall time of one timed measurement
@@ -50,7 +50,7 @@ FULL = Sizes(
     checker_batch=32,
     pairs=9,
     trace_pairs=11,
-    checker_pairs=3,
+    checker_rounds=5,
     checker_warm=3,
     seeds=5,
     target_s=0.2,
@@ -71,7 +71,7 @@ QUICK = Sizes(
     checker_batch=8,
     pairs=3,
     trace_pairs=2,
-    checker_pairs=1,
+    checker_rounds=1,
     checker_warm=2,
     seeds=2,
     target_s=0.02,
