@@ -237,7 +237,8 @@ def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
     )
     d = res["default_tolerance"]
     failed = ", ".join(
-        f"`{k}` {status}" + (f" (relative error {e:.1e})" if e else "")
+        f"`{k}` {status}"
+        + (f" (elementwise relative error up to {e:.1e})" if e else "")
         for k, (status, e) in d["failed"].items()
     )
     lines += report.fill(
