@@ -24,11 +24,14 @@ def _reference_round(x: Array) -> Array:
     return jnp.where(d > 0.5, f + 1, jnp.where(d < 0.5, f, jnp.where(even, f, f + 1)))
 
 
-def _quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
-    """`2**bits` levels from `lo` to `hi`."""
+def _quantize(x: Array, bits: int, lo: float, hi: float, inside: Array) -> Array:
+    """`2**bits` levels from `lo` to `hi`. `inside` is `[lo <= x <= hi]`: the value
+    selects with it, so XLA computes it once, in the forward pass, and keeps that
+    boolean for the backward pass (which masks with it) instead of keeping `x`
+    alive to compute it again."""
     n = 2**bits - 1
     w = x.astype(wide(x.dtype))
-    u = jnp.clip(w, lo, hi)
+    u = jnp.where(inside, w, jnp.clip(w, lo, hi))
     k = jnp.round((u - lo) * (n / (hi - lo)))
     return (lo + (hi - lo) * (k / n)).astype(x.dtype)
 
@@ -119,7 +122,7 @@ class SteQuantize(_Elementwise):
         return _quantizer_kinks(self.bits, self.lo, self.hi)
 
     def primal(self, x: Array) -> Array:
-        return _quantize(x, self.bits, float(self.lo), float(self.hi))
+        return _quantize(x, self.bits, float(self.lo), float(self.hi), self.slope(x))
 
     def slope(self, x: Array) -> Array:
         return (x >= self.lo) & (x <= self.hi)
@@ -164,7 +167,7 @@ class DoReFa(_Elementwise):
         return _quantizer_kinks(self.bits, 0.0, 1.0)
 
     def primal(self, x: Array) -> Array:
-        return _quantize(x, self.bits, 0.0, 1.0)
+        return _quantize(x, self.bits, 0.0, 1.0, self.slope(x))
 
     def slope(self, x: Array) -> Array:
         return (x >= 0) & (x <= 1)
