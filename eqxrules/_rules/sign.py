@@ -338,3 +338,45 @@ class SteHeaviside(_Elementwise):
 
     def reference_derivative(self, x: Array) -> Array:
         return masked_identity(x, jnp.abs(x) <= self.clip_value)
+
+
+class QuadraticSign(_Elementwise):
+    r"""Sign with the derivative of a quadratic surrogate of width $c$ = `clip_value`
+    (positive): [`ApproxSign`][] (Bi-Real Net) is $c = 1$.
+
+    $$q = \operatorname{sign}(x), \qquad \dot q = t \cdot \tfrac{2}{c}
+    \big(1 - \tfrac{\lvert x \rvert}{c}\big) [\lvert x \rvert \le c]$$
+
+    !!! Example
+
+        ```python
+        jax.grad(eqxrules.QuadraticSign(clip_value=0.5))(jnp.array(0.25))  # 2.0
+        ```
+    """
+
+    clip_value: float = hyperparameter(1.0, positive)
+
+    summary: ClassVar[str] = (
+        "sign(x); derivative `t·(2/c)·(1 − |x|/c)·[|x| <= c]`, c = clip_value"
+    )
+
+    def kinks(self) -> tuple[float, ...]:
+        return (-self.clip_value, 0.0, self.clip_value)
+
+    def primal(self, x: Array) -> Array:
+        return sign(x)
+
+    def slope(self, x: Array) -> Array:
+        a = jnp.abs(x) / self.clip_value
+        return jnp.where(a <= 1, (2 - 2 * a) / self.clip_value, jnp.zeros_like(x))
+
+    def reference_forward(self, x: Array) -> Array:
+        return reference_sign(x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        u = jnp.where(jnp.abs(x) <= self.clip_value, x, jnp.zeros_like(x))
+        return (2 * u - u * jnp.abs(u) / self.clip_value) / self.clip_value
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[QuadraticSign]:
+        return [cls(), cls(clip_value=0.5)]
