@@ -153,7 +153,7 @@ class Rule(eqx.Module):
     domain: ClassVar[Domain] = Domain()
     pytree_input: ClassVar[bool] = False
     function: ClassVar[Callable[..., Any] | None] = None
-    functional_name: ClassVar[str | None] = None
+    functional_name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

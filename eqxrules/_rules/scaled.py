@@ -90,7 +90,7 @@ class ScaledModel(JVPRule):
     def primal(self, x: Array, *, key: PRNGKeyArray | None = None) -> PyTree[Array]:
         return call_with_key(self.sub_model, x / self.scale, key)
 
-    def tangent(self, args, t_args, t_self, out, *, key=None):
+    def tangent(self, args, t_args, t_self, out, *, key=None, **kwargs):
         (x,) = args
         (t_x,) = t_args
         # `eqx.filter_custom_jvp` passes `t_self` shaped like the Module (`None` in

@@ -60,7 +60,9 @@ class _WrapperRule(_Blocking):
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[Any]:
-        return [cls(eqx.nn.MLP(3, 2, 5, 2, activation=jnp.tanh, key=key))]
+        # Each subclass has one field, the callable it wraps.
+        wrap: Any = cls
+        return [wrap(eqx.nn.MLP(3, 2, 5, 2, activation=jnp.tanh, key=key))]
 
     def _wrapped(self) -> Callable[..., PyTree]:
         # The one field: the callable wrapped.
@@ -173,7 +175,7 @@ class Frozen(_WrapperRule):
     def primal(self, x: PyTree, *, key: PRNGKeyArray | None = None) -> PyTree:
         return eqx.filter(call_with_key(_frozen(self.module), x, key), eqx.is_array)
 
-    def tangent(self, args, t_args, t_self, out, *, key=None):
+    def tangent(self, args, t_args, t_self, out, *, key=None, **kwargs):
         module = _frozen(self.module)
         t_out = partial_jvp(
             lambda x: eqx.filter(call_with_key(module, x, key), eqx.is_array),
