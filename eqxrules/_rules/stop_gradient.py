@@ -68,6 +68,11 @@ class _WrapperRule(_Blocking):
         # The one field: the callable wrapped.
         return getattr(self, dataclasses.fields(self)[0].name)
 
+    def reference_forward(
+        self, x: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> PyTree:
+        return call_with_key(self._wrapped(), x, key)
+
     def __call__(
         self, *args: PyTree, key: PRNGKeyArray | None = None, **kwargs: Any
     ) -> PyTree:
@@ -119,11 +124,6 @@ class StopGradient(_WrapperRule):
 
     def tangent(self, args, t_args, t_self, out, **kwargs):
         return no_tangent(out)
-
-    def reference_forward(
-        self, x: PyTree, *, key: PRNGKeyArray | None = None
-    ) -> PyTree:
-        return call_with_key(self.fn, x, key)
 
     def reference_derivative(
         self, x: PyTree, *, key: PRNGKeyArray | None = None
@@ -183,11 +183,6 @@ class Frozen(_WrapperRule):
             tuple(t_args),
         )
         return no_tangent(out) if t_out is None else t_out
-
-    def reference_forward(
-        self, x: PyTree, *, key: PRNGKeyArray | None = None
-    ) -> PyTree:
-        return call_with_key(self.module, x, key)
 
     def reference_derivative(
         self, x: PyTree, *, key: PRNGKeyArray | None = None
