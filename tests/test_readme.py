@@ -5,7 +5,6 @@ import pathlib
 import re
 
 import eqxrules
-
 from eqxrules import _cli
 from eqxrules.testing import check_rule
 
