@@ -14,7 +14,9 @@ project = tomllib.loads(
 )
 found = {}
 for requirement in project["project"]["dependencies"]:
-    match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*", requirement)
+    match = re.fullmatch(
+        r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*", requirement
+    )
     if match and match.group(1).lower() in PINNED:
         found[match.group(1).lower()] = match.group(2)
 missing = [name for name in PINNED if name not in found]

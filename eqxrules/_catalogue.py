@@ -1,90 +1,47 @@
-"""The one way a rule is declared, and the catalogue built from the declarations.
+"""The one way a rule is declared: the `Rule` bases and the shared custom-derivative
+functions every rule calls.
 
 A rule is an `eqx.Module` subclass of [`JVPRule`][] or [`VJPRule`][]. The subclass is
 the whole declaration:
 
-- its fields are the hyperparameters (static, validated in `__check_init__`) and any
+- its fields are the hyperparameters, each declared once with
+  [`hyperparameter`][eqxrules.hyperparameter] (default and checks: validated when
+  the Module is built, and the source of the misuse tests' invalid values), and any
   wrapped sub-models (dynamic, so their parameters receive tangents);
 - `primal` computes the value, and `tangent` (for `JVPRule`) or `fwd`/`bwd` (for
-  `VJPRule`) the derivative. These are the only place the rule's maths lives;
-- class variables `summary`, `exact`, `elementwise` and `domain` describe it;
+  `VJPRule`) the derivative. These are the only place the rule's maths is code;
+- the class docstring holds the maths as a formula and `summary` as one line of
+  text, from which the functional form's docstring and the README table derive;
+- `kinks()` says where, for this instance's hyperparameters, the derivative jumps;
 - `reference_forward`, `reference_derivative` and `reference_vjp` are *independent*
   references that the test suite and `python -m eqxrules` check the rule against.
 
-From that one class derive: `__call__`, which delegates to the module-level
-`eqx.filter_custom_jvp` function [`apply_jvp_rule`][] or `eqx.filter_custom_vjp`
-function [`apply_vjp_rule`][]; the functional form (declared with [`functional`][]);
-and the [`Entry`][] returned by [`catalogue`][]. Defining the subclass registers it.
+Defining a public subclass in `eqxrules._rules` registers it in [`catalogue`][], in
+definition order, and its functional form (keyword-only hyperparameters, defaults
+from the fields) is derived from it. Rules defined elsewhere (yours) are registered
+only if asked, with [`functional`][].
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools as ft
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
-from jax import core
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from . import _registry
+from ._hyper import Invalid, check_fields, invalid_constructions
+from ._registry import Domain, Entry, catalogue, functional
+
 _T = TypeVar("_T")
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 REVERSE_ONLY_MESSAGE = "supports reverse mode only"
-
-
-@dataclasses.dataclass(frozen=True)
-class Domain:
-    """Where a rule's inputs are drawn from in tests.
-
-    **Arguments:**
-
-    - `low`, `high`: inputs are drawn uniformly from `[low, high]`.
-    - `kinks`: points where the rule's derivative is discontinuous. Finite differences
-        stay at least `margin` away from them; boundary checks evaluate exactly on them.
-    - `shape`: the shape of a test input.
-    - `margin`: the distance kept from each kink when sampling off kinks.
-    """
-
-    low: float = -2.0
-    high: float = 2.0
-    kinks: tuple[float, ...] = ()
-    shape: tuple[int, ...] = (4, 3)
-    margin: float = 0.05
-
-    def __post_init__(self):
-        if not self.low < self.high:
-            raise ValueError(
-                f"`Domain`: `low` (={self.low}) must be less than `high` "
-                f"(={self.high})."
-            )
-
-    def sample(
-        self, key: PRNGKeyArray, dtype: Any = jnp.float32, *, off_kinks: bool = True
-    ) -> Array:
-        """A random input of `self.shape`. With `off_kinks`, no element lies within
-        `margin` of a kink; otherwise every kink also appears exactly once (if the
-        input has room), so boundary behaviour is exercised."""
-        x = jax.random.uniform(
-            key, self.shape, jnp.float32, minval=self.low, maxval=self.high
-        )
-        x = np.array(x)  # a writable copy
-        if off_kinks:
-            for k in self.kinks:
-                near = np.abs(x - k) < self.margin
-                x = np.where(near, k + np.where(x >= k, 1, -1) * self.margin * 2, x)
-        else:
-            flat = x.reshape(-1)
-            for i, k in enumerate(self.kinks[: flat.size]):
-                flat[i] = k
-            x = flat.reshape(self.shape)
-        return jnp.asarray(x, dtype=dtype)
 
 
 # JAX's own words when forward mode meets a `custom_vjp` (stable since jax 0.2).
@@ -148,29 +105,6 @@ def _match_dtypes(t_tree: Any, like_tree: Any) -> Any:
     return jtu.tree_map(_cast_like, t_tree, like_tree, is_leaf=lambda t: t is None)
 
 
-class BadHyperparameter(NamedTuple):
-    """One invalid construction of a rule, declared on the rule itself (see
-    `Rule.invalid_hyperparameters`) so the misuse tests need no per-rule table:
-    `module(*args, **kwargs)` must raise `error` with a message naming the rule,
-    `` `argument` `` and `value` (as `=value!r`; `value=None` skips that part)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    error: type[Exception]
-    argument: str
-    value: Any = None
-
-
-@ft.cache
-def _key_parameter(cls: type) -> str | None:
-    """How `cls.primal` takes a PRNG key: `"required"` (a `key` parameter without a
-    default), `"optional"` (with one) or `None` (no `key` parameter)."""
-    param = inspect.signature(cls.primal).parameters.get("key")
-    if param is None:
-        return None
-    return "required" if param.default is param.empty else "optional"
-
-
 def takes_key(f: Callable[..., Any]) -> bool:
     """Whether `f` accepts a `key=` keyword (by name or through `**kwargs`)."""
     try:
@@ -191,36 +125,25 @@ def call_with_key(f: Callable[..., _T], x: Any, key: PRNGKeyArray | None) -> _T:
     return f(x, key=key)
 
 
-@ft.cache
-def _primal_arity(cls: type) -> tuple[str, ...] | None:
-    """The names of `cls.primal`'s positional parameters (after `self`), or `None`
-    if it takes `*args`."""
-    params = list(inspect.signature(cls.primal).parameters.values())[1:]
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return None
-    positional = (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    )
-    return tuple(p.name for p in params if p.kind in positional)
-
-
 class Rule(eqx.Module):
     """Base class of every catalogue rule. Subclass [`JVPRule`][] or [`VJPRule`][].
 
-    Class variables a rule sets:
+    Class variables a rule sets, where it differs from the default:
 
-    - `summary`: one line, shown in the catalogue table.
-    - `exact`: `True` if the rule's derivative is the true derivative of its value
-        (so finite differences apply).
-    - `elementwise`: `True` if the rule takes one floating-point array and rejects
-        integer and bool input with a `TypeError`.
-    - `domain`: a [`Domain`][] for test inputs.
-    - `pytree_input`: `True` if `x` may be any pytree: floating-point leaves are
-        transformed, every other leaf (integer and bool arrays, strings, Python
-        numbers, `None`) comes back unchanged with no gradient, and the output has
-        `x`'s structure. The test matrix (`tests/test_matrix.py`) then feeds it
-        pytrees and integer arrays.
+    - `summary`: the maths in one line of text, shown in the catalogue table and the
+        functional form's docstring.
+    - `exact` (default `False`): `True` if the rule's derivative is the true
+        derivative of its value (so finite differences apply).
+    - `elementwise` (default `True`): `True` if the rule takes one floating-point
+        array and rejects integer and bool input with a `TypeError`.
+    - `domain`: a [`Domain`][] for test inputs: range and shape. Its kinks come from
+        `kinks()`, per instance.
+    - `pytree_input` (default `False`): `True` if `x` may be any pytree:
+        floating-point leaves are transformed, every other leaf (integer and bool
+        arrays, strings, Python numbers, `None`) comes back unchanged with no
+        gradient, and the output has `x`'s structure.
+    - `functional_name`: the functional form's name, where it is not the class
+        name in snake case (`DoReFa` is `dorefa_quantize`).
     """
 
     summary: ClassVar[str] = ""
@@ -230,6 +153,20 @@ class Rule(eqx.Module):
     domain: ClassVar[Domain] = Domain()
     pytree_input: ClassVar[bool] = False
     function: ClassVar[Callable[..., Any] | None] = None
+    functional_name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Registration cannot be forgotten: every public rule class of the library's
+        # rule modules is in the catalogue. A user's subclass elsewhere is not,
+        # unless it asks with `functional`.
+        if cls.__module__.startswith(_RULES_PACKAGE) and not cls.__name__.startswith(
+            "_"
+        ):
+            _registry.register(cls)
+
+    def __check_init__(self):
+        check_fields(self, self.rule_name())
 
     def primal(self, *args: Any, **kwargs: Any) -> Any:
         """The value of the rule."""
@@ -253,15 +190,28 @@ class Rule(eqx.Module):
         """Instances, with representative hyperparameters, that the catalogue checks."""
         return [cls()]
 
+    def kinks(self) -> tuple[float, ...]:
+        """Where this instance's value or derivative jumps: test inputs hit these
+        exactly, and finite differences keep away from them. Defaults to the
+        class `domain`'s."""
+        return type(self).domain.kinks
+
+    def input_domain(self) -> Domain:
+        """The class `domain` with this instance's `kinks()`."""
+        return dataclasses.replace(type(self).domain, kinks=tuple(self.kinks()))
+
     @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        """Constructions that must be rejected, with the error each must raise. A
-        rule with hyperparameters declares at least one per hyperparameter."""
-        return ()
+    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> list[Invalid]:
+        """Constructions that must be rejected, derived from the field declarations:
+        each bad value of each check of each hyperparameter, in place of that
+        hyperparameter of the first example."""
+        return invalid_constructions(cls.examples(key)[0])
 
     def call_kwargs(self, key: PRNGKeyArray) -> dict[str, Any]:
-        """Keyword arguments the checks pass on each call (a PRNG key, say)."""
-        return {}
+        """Keyword arguments the checks pass on each call: a PRNG key for a rule
+        whose `primal` requires one."""
+        needs = _registry.key_parameter(type(self))
+        return {"key": key} if needs == "required" else {}
 
     def is_exact(self) -> bool:
         """Whether this instance's derivative is the true one. Defaults to `exact`;
@@ -279,17 +229,31 @@ class Rule(eqx.Module):
 
     @classmethod
     def rule_name(cls) -> str:
+        """The name errors give: the functional form's, else the class's."""
         fn = cls.function
-        return fn.__name__ if fn is not None else cls.__name__
+        if fn is not None:
+            return fn.__name__
+        return (
+            _registry.functional_name(cls)
+            if _registry.registered(cls)
+            else (cls.__name__)
+        )
 
     def _check_arity(self, args: tuple[Any, ...]) -> None:
-        names = _primal_arity(type(self))
+        names = _registry.primal_arity(type(self))
         if names is not None and len(args) != len(names):
             listed = ", ".join(f"`{n}`" for n in names)
             raise TypeError(
                 f"`{self.rule_name()}` takes {len(names)} positional argument(s) "
                 f"({listed}), got {len(args)}."
             )
+
+    def _one_input(self, args: tuple[Any, ...]) -> Any:
+        """The one input `x` of a rule on any pytree (a Python float made an
+        array)."""
+        self._check_arity(args)
+        (x,) = args
+        return jnp.asarray(x) if isinstance(x, float) else x
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         if self.elementwise:
@@ -298,7 +262,7 @@ class Rule(eqx.Module):
     def _key_kwargs(self, key: PRNGKeyArray | None) -> dict[str, Any]:
         # Every rule accepts `key=` so that it can sit in `eqx.nn.Sequential` (which
         # passes one to each layer); only a rule whose `primal` takes it receives it.
-        need = _key_parameter(type(self))
+        need = _registry.key_parameter(type(self))
         if need is None:
             return {}
         if need == "required" and key is None:
@@ -314,6 +278,9 @@ class Rule(eqx.Module):
         args = tuple(jnp.asarray(a) if isinstance(a, float) else a for a in args)
         self._check_call(args)
         return args, {**kwargs, **self._key_kwargs(key)}
+
+
+_RULES_PACKAGE = f"{__name__.rpartition('.')[0]}._rules."
 
 
 class JVPRule(Rule):
@@ -419,11 +386,7 @@ class PytreeRule(JVPRule):
     def __call__(
         self, *args: PyTree, key: PRNGKeyArray | None = None, **kwargs: Any
     ) -> PyTree:
-        self._check_arity(args)
-        (x,) = args
-        if isinstance(x, float):
-            x = jnp.asarray(x)
-        arrays, other = eqx.partition(x, eqx.is_array)
+        arrays, other = eqx.partition(self._one_input(args), eqx.is_array)
         return eqx.combine(super().__call__(arrays, key=key, **kwargs), other)
 
 
@@ -477,120 +440,6 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
     return jtu.tree_map(lambda _: None, rule), ct_args
 
 
-_REGISTRY: list[type[Rule]] = []
-
-
-def functional(rule: type[Rule]) -> Callable[[_F], _F]:
-    """Declare `fn` as the functional form of `rule`: it must do nothing but build the
-    Module and call it. Registers `rule` in the catalogue."""
-
-    def decorator(fn: _F) -> _F:
-        if rule.function is not None:
-            raise ValueError(
-                f"`{rule.__name__}` already has a functional form "
-                f"`{rule.function.__name__}`."
-            )
-        rule.function = fn
-        _REGISTRY.append(rule)
-        return fn
-
-    return decorator
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One catalogue entry: everything the tests, the CLI and the docs need to know.
-
-    **Fields:**
-
-    - `name`: the functional form's name, e.g. `"ste_sign"`.
-    - `module`: the `eqx.Module` class, e.g. `SteSign`.
-    - `function`: the functional form.
-    - `summary`: one line.
-    - `forward_mode`: whether `jax.jvp` is supported.
-    - `exact`: whether the derivative is the true one (finite differences apply).
-    - `elementwise`: whether it takes one floating-point array.
-    - `domain`: the [`Domain`][] of test inputs.
-    - `reference_vjp`: whether the derivative is checked against `reference_vjp`
-        (backward not linear in the cotangent) rather than `reference_derivative`.
-    """
-
-    name: str
-    module: type[Rule]
-    function: Callable[..., Any]
-    summary: str
-    forward_mode: bool
-    exact: bool
-    elementwise: bool
-    domain: Domain
-    reference_vjp: bool
-
-    def examples(self, key: PRNGKeyArray) -> Sequence[Rule]:
-        return self.module.examples(key)
-
-    @property
-    def modes(self) -> tuple[str, ...]:
-        return ("fwd", "rev") if self.forward_mode else ("rev",)
-
-    def check_arguments(
-        self, rule: Rule, x: Any, key: PRNGKeyArray
-    ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-        """`(fn, args, references)` for `eqxrules.testing.check_rule(fn, *args,
-        **references)` on one example `rule` and input `x`. The Module itself is an
-        argument, so the parameters of a wrapped sub-model are checked too."""
-        kwargs = rule.call_kwargs(key)
-
-        def fn(m, x):
-            return m(x, **kwargs)
-
-        def forward(m, x):
-            return m.reference_forward(x, **kwargs)
-
-        def derivative(m, x):
-            return m.reference_derivative(x, **kwargs)
-
-        def reference_vjp(ct, m, x):
-            return m.reference_vjp(ct, x, **kwargs)
-
-        references: dict[str, Any] = dict(forward=forward)
-        if self.reference_vjp:
-            references["reference_vjp"] = reference_vjp
-        else:
-            references["derivative"] = derivative
-        return fn, (rule, x), references
-
-
-def _entry(rule: type[Rule]) -> Entry:
-    assert rule.function is not None
-    return Entry(
-        name=rule.function.__name__,
-        module=rule,
-        function=rule.function,
-        summary=rule.summary,
-        forward_mode=rule.forward_mode,
-        exact=rule.exact,
-        elementwise=rule.elementwise,
-        domain=rule.domain,
-        reference_vjp=rule.reference_vjp is not Rule.reference_vjp,
-    )
-
-
-@ft.cache
-def _load_rules() -> None:
-    from . import _rules  # noqa: F401  (importing declares every rule)
-
-
-def catalogue() -> tuple[Entry, ...]:
-    """Every rule eqxrules ships, in declaration order.
-
-    **Returns:**
-
-    A tuple of [`Entry`][] objects.
-    """
-    _load_rules()
-    return tuple(_entry(r) for r in _REGISTRY)
-
-
 def check_float_array(rule: str, args: tuple[Any, ...]) -> None:
     """Raise a `TypeError` naming `rule` unless `args` is one floating-point array.
     Elementwise rules call it on every call; so may rules that reduce an axis."""
@@ -618,31 +467,18 @@ def check_axis(
         )
 
 
-def validate_positive(rule: str, name: str, value: Any, *, allow_zero: bool) -> None:
-    """Raise a `ValueError` naming `rule`, `name` and `value` unless `value` is
-    finite and positive (or zero, with `allow_zero`)."""
-    if isinstance(value, core.Tracer):
-        return
-    v = np.asarray(value)
-    ok = np.all(np.isfinite(v)) and (np.all(v >= 0) if allow_zero else np.all(v > 0))
-    if not ok:
-        what = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"`{rule}`: `{name}` (={value!r}) must be finite and {what}.")
-
-
 __all__ = [
-    "BadHyperparameter",
-    "PytreeRule",
-    "map_tangent",
-    "no_tangent",
     "Domain",
     "Entry",
     "JVPRule",
+    "PytreeRule",
     "Rule",
     "VJPRule",
     "apply_jvp_rule",
     "apply_vjp_rule",
     "catalogue",
     "functional",
+    "map_tangent",
+    "no_tangent",
     "partial_jvp",
 ]

@@ -28,17 +28,21 @@ def _first_element(tree: Any) -> Array:
     return jnp.ravel(jtu.tree_leaves(tree)[0])[0]
 
 
+def _first_example(entry: Entry) -> Any:
+    return entry.examples(jax.random.key(0))[0]
+
+
 def _scalar_function(entry: Entry) -> tuple[Callable[[Array], Array], str]:
     """The function of one number that the plot draws, and its axis label.
 
     Elementwise rules are evaluated on a scalar. Other rules are evaluated on a test
     input of their domain whose first element varies; the plot shows the first
     element of the output."""
-    rule: Any = entry.examples(jax.random.key(0))[0]
+    rule = _first_example(entry)
     kwargs = rule.call_kwargs(jax.random.key(1))
     if entry.elementwise:
         return (lambda s: _first_element(rule(s, **kwargs))), "x"
-    base = entry.domain.sample(jax.random.key(2))
+    base = rule.input_domain().sample(jax.random.key(2))
 
     def f(s: Array) -> Array:
         x = base.reshape(-1).at[0].set(s).reshape(base.shape)
@@ -48,7 +52,7 @@ def _scalar_function(entry: Entry) -> tuple[Callable[[Array], Array], str]:
 
 
 def _curves(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
-    d = entry.domain
+    d = _first_example(entry).input_domain()
     kinks = [k for k in d.kinks if d.low <= k <= d.high]
     # The kinks themselves are on the grid, so the value *at* each boundary shows.
     grid = np.union1d(np.linspace(d.low, d.high, _POINTS), np.asarray(kinks))
@@ -61,7 +65,7 @@ def _curves(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
 
 def plot(names: Sequence[str] | None, out: str | pathlib.Path) -> list[pathlib.Path]:
     """Write one PNG per rule to `out`: the value and the derivative of its first
-    example on its domain, computed with the rule and `jax.vmap(jax.grad(...))`.
+    example on its domain (its kinks on the grid), computed with the rule and `jax.vmap(jax.grad(...))`.
 
     **Arguments:**
 

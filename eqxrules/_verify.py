@@ -1,8 +1,8 @@
 """What verifying a catalogue entry means, shared by `python -m eqxrules` and the
 test suite: every example instance is checked with `check_rule` at a point that
-includes the domain's kinks (where straight-through estimators go wrong), and, for
-instances whose derivative is the true one, against finite differences off the
-kinks."""
+includes its kinks (where straight-through estimators go wrong; `rule.kinks()`,
+from its hyperparameters), and, for instances whose derivative is the true one,
+against finite differences off the kinks."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
     start = time.perf_counter()
     reports = []
     for rule in entry.examples(k_examples):
-        on_kinks = entry.domain.sample(k_on, off_kinks=False)
+        domain = rule.input_domain()
+        on_kinks = domain.sample(k_on, off_kinks=False)
         fn, args, refs = entry.check_arguments(rule, on_kinks, k_call)
         reports.append(
             check_rule(
@@ -72,7 +73,7 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
             )
         )
         if rule.is_exact():
-            off_kinks = entry.domain.sample(k_off, off_kinks=True)
+            off_kinks = domain.sample(k_off, off_kinks=True)
             fn, args, refs = entry.check_arguments(rule, off_kinks, k_call)
             reports.append(
                 check_rule(

@@ -1,10 +1,12 @@
-"""Regenerate the README's generated tables (the catalogue, and the checks from
-`check_rule`'s docstring). `tests/test_readme.py` fails until this has been run
+"""Regenerate the README's generated parts: the catalogue table, the checks from
+`check_rule`'s docstring, and the example rule (the source of `QuadraticSign`). `tests/test_readme.py` fails until this has been run
 after a rule or a check changes: `python scripts/update_readme.py`."""
 
+import inspect
 import pathlib
 import re
 
+import eqxrules
 from eqxrules import _cli
 from eqxrules.testing import check_rule
 
@@ -17,6 +19,11 @@ def _replace(text: str, name: str, body: str) -> str:
     return re.sub(pattern, lambda _: block, text, flags=re.S)
 
 
+def example_rule() -> str:
+    """The README's example of a whole rule: a real one of the catalogue."""
+    return f"```python\n{inspect.getsource(eqxrules.QuadraticSign)}```"
+
+
 def main() -> None:
     doc = check_rule.__doc__ or ""
     checks = "\n".join(
@@ -25,6 +32,7 @@ def main() -> None:
     text = README.read_text()
     text = _replace(text, "catalogue", _cli.catalogue_markdown())
     text = _replace(text, "checks", checks)
+    text = _replace(text, "rule-example", example_rule())
     README.write_text(text)
 
 

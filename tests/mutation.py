@@ -96,7 +96,9 @@ def _patch(name, kind, entry, path, cls, method, wrap) -> Mutation:
     )
 
 
-ST = "eqxrules/_rules/straight_through.py"
+SIGN = "eqxrules/_rules/sign.py"
+QU = "eqxrules/_rules/quantize.py"
+CA = "eqxrules/_rules/categorical.py"
 SG = "eqxrules/_rules/stop_gradient.py"
 GR = "eqxrules/_rules/gradient.py"
 SC = "eqxrules/_rules/scaled.py"
@@ -108,31 +110,31 @@ MUTATIONS = [
         "boundary-clip-mask",
         "boundary",
         "ste_sign",
-        ST,
-        "return (jnp.abs(x) <= clip_value).astype(x.dtype)",
-        "return (jnp.abs(x) < clip_value).astype(x.dtype)",
+        SIGN,
+        "return None if self.clip_value is None else jnp.abs(x) <= self.clip_value",
+        "return None if self.clip_value is None else jnp.abs(x) < self.clip_value",
     ),
     Mutation(
         "boundary-ste_quantize-hi",
         "boundary",
         "ste_quantize",
-        ST,
-        "return ((x >= self.lo) & (x <= self.hi)).astype(x.dtype)",
-        "return ((x >= self.lo) & (x < self.hi)).astype(x.dtype)",
+        QU,
+        "return (x >= self.lo) & (x <= self.hi)",
+        "return (x >= self.lo) & (x < self.hi)",
     ),
     Mutation(
         "boundary-dorefa-one",
         "boundary",
         "dorefa_quantize",
-        ST,
-        "return ((x >= 0) & (x <= 1)).astype(x.dtype)",
-        "return ((x >= 0) & (x < 1)).astype(x.dtype)",
+        QU,
+        "return (x >= 0) & (x <= 1)",
+        "return (x >= 0) & (x < 1)",
     ),
     Mutation(
         "boundary-ternary-threshold",
         "boundary",
         "ste_ternary",
-        ST,
+        SIGN,
         "jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0))",
         "jnp.where(x > th, 1, jnp.where(x <= -th, -1, 0))",
     ),
@@ -162,12 +164,12 @@ MUTATIONS = [
         "t_out = rule.tangent(tuple(args), tuple(t_args), None, out, **kwargs)",
     ),
     # Scale a (co)tangent.
-    _patch("scale-ste_sign", "scale", "ste_sign", ST, "SteSign", "tangent", SCALE),
+    _patch("scale-ste_sign", "scale", "ste_sign", SIGN, "SteSign", "tangent", SCALE),
     _patch(
         "scale-standardize", "scale", "standardize", SG, "Standardize", "tangent", SCALE
     ),
     _patch(
-        "scale-gumbel", "scale", "gumbel_softmax", ST, "GumbelSoftmax", "tangent", SCALE
+        "scale-gumbel", "scale", "gumbel_softmax", CA, "GumbelSoftmax", "tangent", SCALE
     ),
     _patch(
         "scale-clip_gradient",
@@ -216,7 +218,7 @@ MUTATIONS = [
         "return (_wide(a) - mean) / self._denominator(a)",
     ),
     _patch(
-        "dtype-ste_round", "dtype", "ste_round", ST, "SteRound", "primal", TO_FLOAT32
+        "dtype-ste_round", "dtype", "ste_round", QU, "SteRound", "primal", TO_FLOAT32
     ),
     _patch(
         "dtype-clip_gradient_norm",

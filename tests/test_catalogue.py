@@ -1,11 +1,19 @@
-"""One parametrised test over every catalogue entry (the lineax pattern).
+"""One parametrised test over every catalogue entry (the lineax pattern), and the
+declaration mechanism that builds the catalogue.
 
 Capabilities are data on the entry (`forward_mode`, `is_exact()`, `elementwise`,
-`domain`): nothing here names a rule, so adding one needs no edit to this file."""
+each example's `input_domain()`): nothing here names a rule, so adding one needs no
+edit to this file."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools as ft
+import inspect
+import subprocess
+import sys
+import textwrap
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -13,23 +21,19 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from conftest import ENTRIES, KEY, example_cases, examples
 from hypothesis import given, strategies as st
 
 import eqxrules
+from eqxrules._registry import missing_parts
 from eqxrules._verify import verify
 from eqxrules.testing import strategies
 
-KEY = jax.random.key(0)
-ENTRIES = eqxrules.catalogue()
-CASES = [
-    pytest.param(entry, i, id=f"{entry.name}-{i}")
-    for entry in ENTRIES
-    for i in range(len(entry.examples(KEY)))
-]
+CASES = example_cases()
 
 
 def _example(entry, index):
-    return entry.examples(KEY)[index]
+    return examples(entry)[index]
 
 
 def _cast(tree, dtype):
@@ -42,11 +46,138 @@ def test_catalogue_is_not_empty_and_names_are_unique():
     names = [e.name for e in ENTRIES]
     assert names and len(names) == len(set(names))
     for e in ENTRIES:
-        assert e.summary, e.name
-        assert e.module.__doc__, e.name
-        assert e.function.__doc__, e.name
         assert getattr(eqxrules, e.name) is e.function
         assert getattr(eqxrules, e.module.__name__) is e.module
+        assert {e.name, e.module.__name__} <= set(eqxrules.__all__)
+
+
+def _public_rule_classes(cls=eqxrules.Rule):
+    for sub in cls.__subclasses__():
+        if sub.__module__.startswith("eqxrules.") and not sub.__name__.startswith("_"):
+            yield sub
+        yield from _public_rule_classes(sub)
+
+
+def test_every_public_rule_class_is_in_the_catalogue():
+    """Defining a rule in `eqxrules._rules` registers it: none can drop out of the
+    catalogue, the tests, the CLI or the README."""
+    catalogued = {e.module for e in ENTRIES}
+    bases = {eqxrules.JVPRule, eqxrules.VJPRule, eqxrules.PytreeRule}
+    missing = [
+        c.__name__ for c in _public_rule_classes() if c not in bases | catalogued
+    ]
+    assert not missing, f"public Rule subclasses missing from catalogue(): {missing}"
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_declaration_is_complete(entry):
+    """Docstring, `summary`, value, derivative, references, declared fields and a
+    functional form: a missing part is named."""
+    missing = missing_parts(entry.module)
+    assert not missing, f"`{entry.module.__name__}` is missing: " + "; ".join(missing)
+
+
+class _Forgetful(eqxrules.JVPRule):
+    width: float = eqx.field(static=True, default=1.0)
+
+    def primal(self, x):
+        return x
+
+
+def test_a_forgotten_part_is_named():
+    """The planted defect: a rule with no docstring, summary, derivative,
+    references or field declaration, defined outside `eqxrules._rules`, so not in
+    the catalogue either."""
+    missing = "\n".join(missing_parts(_Forgetful))
+    for part in (
+        "class docstring",
+        "`summary`",
+        "`tangent`",
+        "`reference_forward`",
+        "`reference_derivative` or `reference_vjp`",
+        "field `width` with `hyperparameter(...)`",
+        "registration",
+    ):
+        assert part in missing, (part, missing)
+    assert _Forgetful not in {e.module for e in eqxrules.catalogue()}
+
+
+def test_a_user_rule_joins_the_catalogue_only_when_asked():
+    """A `Rule` subclass defined outside eqxrules is not registered; declaring its
+    functional form with `eqxrules.functional` registers it (after the library's
+    rules). In a subprocess, so this session's catalogue stays the library's."""
+    code = textwrap.dedent(
+        """
+        import eqxrules
+
+        class Twice(eqxrules.JVPRule):
+            "Twice the value."
+            summary = "2x"
+            def primal(self, x):
+                return 2 * x
+            def tangent(self, args, t_args, t_self, out):
+                return None if t_args[0] is None else 2 * t_args[0]
+            def reference_forward(self, x):
+                return 2 * x
+            def reference_derivative(self, x):
+                return 2 * x
+
+        before = [e.name for e in eqxrules.catalogue()]
+        assert Twice not in [e.module for e in eqxrules.catalogue()]
+
+        @eqxrules.functional(Twice)
+        def twice(x):
+            return Twice()(x)
+
+        after = [e.name for e in eqxrules.catalogue()]
+        assert after == before + ["twice"], after
+        assert "twice" not in eqxrules.__all__
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_functional_form_states_no_default_of_its_own(entry):
+    """Defaults are stated once, on the fields: every static hyperparameter is a
+    keyword-only parameter of the functional form with the field's default (or
+    none), and its docstring is the rule's `summary`."""
+    params = inspect.signature(entry.function).parameters
+    for f in dataclasses.fields(entry.module):  # type: ignore[arg-type]
+        if not f.metadata.get("static", False):
+            continue
+        assert f.name in params, (entry.name, f.name)
+        p = params[f.name]
+        assert p.kind is p.KEYWORD_ONLY, (entry.name, f.name, p.kind)
+        default = p.empty if f.default is dataclasses.MISSING else f.default
+        assert p.default == default, (entry.name, f.name, p.default, default)
+    assert entry.summary and entry.summary in (entry.function.__doc__ or "")
+    assert f"[`{entry.module.__name__}`][]" in (entry.function.__doc__ or "")
+
+
+def test_kinks_follow_the_hyperparameters():
+    """Each instance knows where its derivative jumps; the entry's domain holds
+    the kinks of all its examples."""
+    assert set(eqxrules.SteSign(clip_value=0.5).kinks()) == {-0.5, 0.0, 0.5}
+    assert set(eqxrules.SteSign(clip_value=None).kinks()) == {0.0}
+    domain = eqxrules.SteQuantize(bits=1, lo=0.0, hi=2.0).input_domain()
+    assert set(domain.kinks) == {0.0, 1.0, 2.0}  # the ends and the tie between
+    for entry in ENTRIES:
+        union = {k for rule in examples(entry) for k in rule.kinks()}
+        assert set(entry.domain.kinks) == union, entry.name
+
+
+class _MySign(eqxrules.SteSign):
+    summary: ClassVar[str] = "not a catalogue rule"
+
+
+def test_a_subclass_of_a_rule_elsewhere_is_not_registered():
+    assert _MySign not in {e.module for e in eqxrules.catalogue()}
+    assert _MySign(clip_value=0.5)(jnp.array([0.3])).tolist() == [1.0]
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
@@ -60,7 +191,7 @@ def test_entry_passes_check_rule(entry):
         expected = "passed" if entry.forward_mode else "unsupported"
         assert report["jvp"].status == expected
         assert report["vjp"].status == "passed"
-    if any(rule.is_exact() for rule in entry.examples(KEY)):
+    if any(rule.is_exact() for rule in examples(entry)):
         assert result.status("finite_differences") == "passed"
 
 
@@ -89,8 +220,9 @@ def _jitted_pair(entry, index):
 def test_entry_matches_reference_on_random_inputs(entry, index, data):
     """Property: value and VJP equal the references on hypothesis-drawn inputs, with
     the kinks themselves mixed in (boundaries are where STEs go wrong)."""
-    x = data.draw(strategies.arrays(entry.domain, off_kinks=False, with_kinks=True))
     both, rule = _jitted_pair(entry, index)
+    domain = rule.input_domain()
+    x = data.draw(strategies.arrays(domain, off_kinks=False, with_kinks=True))
     out_shape = jax.eval_shape(lambda x: rule(x, **rule.call_kwargs(KEY)), x)
     seed = data.draw(st.integers(0, 2**16))
     ct = jtu.tree_map(
@@ -106,7 +238,7 @@ def test_entry_matches_reference_on_random_inputs(entry, index, data):
 def test_entry_keeps_dtype(entry, index, dtype):
     """Value and gradient keep the input dtype: bf16 stays bf16."""
     rule = _cast(_example(entry, index), dtype)
-    x = entry.domain.sample(jax.random.key(1), dtype, off_kinks=False)
+    x = rule.input_domain().sample(jax.random.key(1), dtype, off_kinks=False)
     kwargs = rule.call_kwargs(KEY)
 
     @eqx.filter_jit
@@ -133,7 +265,7 @@ def test_entry_keeps_dtype(entry, index, dtype):
 def test_elementwise_entry_rejects_integer_input(entry, dtype):
     rule = _example(entry, 0)
     with pytest.raises(TypeError, match=f"`{entry.name}`.*floating-point"):
-        rule(jnp.zeros(entry.domain.shape, dtype), **rule.call_kwargs(KEY))
+        rule(jnp.zeros(rule.input_domain().shape, dtype), **rule.call_kwargs(KEY))
 
 
 @pytest.mark.parametrize(
@@ -143,7 +275,7 @@ def test_elementwise_entry_rejects_integer_input(entry, dtype):
 def test_reverse_only_entry_names_itself_under_forward_mode(entry, transform):
     rule = _example(entry, 0)
     kwargs = rule.call_kwargs(KEY)
-    x = entry.domain.sample(jax.random.key(1))
+    x = rule.input_domain().sample(jax.random.key(1))
 
     def f(x):
         return sum(jnp.sum(o) for o in jtu.tree_leaves(rule(x, **kwargs)))
@@ -166,7 +298,7 @@ def test_reverse_only_entry_hessian_is_reverse_over_reverse(entry):
     raise (no tracer inspection, so this holds on every JAX version)."""
     rule = _example(entry, 0)
     kwargs = rule.call_kwargs(KEY)
-    x = entry.domain.sample(jax.random.key(1))
+    x = rule.input_domain().sample(jax.random.key(1))
 
     def f(x):
         return sum(jnp.sum(jnp.sin(o) * o) for o in jtu.tree_leaves(rule(x, **kwargs)))

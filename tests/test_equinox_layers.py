@@ -2,7 +2,7 @@
 sits between `eqx.nn.Linear` layers under `eqx.filter_grad` and `eqx.filter_jit`,
 quantises in `Quantized`, and passes a key on to dropout inside a wrapped sub-model.
 
-The catalogue-wide tests name no rule: shapes come from each example's `domain`,
+The catalogue-wide tests name no rule: shapes come from each example's domain,
 which rules draw random numbers from `call_kwargs`, and every expected value and
 gradient from the rule's own references (`reference_forward`, and
 `reference_derivative` or `reference_vjp`). Each check has a planted defect beside it
@@ -141,7 +141,7 @@ def _asks_for_key(call):
 
 
 def check_takes_key(rule):
-    x = rule.domain.sample(jax.random.key(1))
+    x = rule.input_domain().sample(jax.random.key(1))
     if _needs_key(rule):
         assert _asks_for_key(lambda: rule(x)), "called without a key, no clear error"
         assert _asks_for_key(lambda: rule(x, key=None)), "key=None: no clear error"
@@ -173,10 +173,10 @@ def _sequential(rule, layer=None):
     magnitude) gets its declared domain shape through an `eqx.nn.Lambda` reshape.
     The first Linear's output is a sample of the rule's domain, moved by less than
     0.01: off the rule's kinks (the domain keeps 0.05 from them)."""
-    shape = rule.domain.shape
+    shape = rule.input_domain().shape
     if rule.elementwise or rule.pytree_input:
         shape = (math.prod(shape),)
-    h0 = dataclasses.replace(rule.domain, shape=shape).sample(jax.random.key(1))
+    h0 = dataclasses.replace(rule.input_domain(), shape=shape).sample(jax.random.key(1))
     out = eqx.filter_eval_shape(lambda r, h: r(h, key=KEY), rule, h0)
     layers = [_linear(3, h0.size, 2, weight_scale=0.005, bias=np.ravel(h0))]
     if len(shape) != 1:
@@ -429,7 +429,7 @@ def _asks_for_dropout_key(call):
 def check_key_reaches_dropout(rule, plain):
     """`rule` wraps a sub-model that applies dropout first; `plain` is the same rule
     around the sub-model without it."""
-    x = rule.domain.sample(jax.random.key(1))
+    x = rule.input_domain().sample(jax.random.key(1))
     kwargs = _reference_kwargs(rule, K1)
     assert kwargs, "the rule wraps a module, but its references take no key"
     r = _run(rule, x, K1, K2, plain=plain)
@@ -694,7 +694,7 @@ def _float_model(rule, *, mlp=False):
     shapes = eqx.filter_eval_shape(eqx.nn.MLP, 3, 3, 4, 1, activation=jnp.tanh, key=KEY)
     layers = []
     for i, layer in enumerate(shapes.layers):
-        domain = dataclasses.replace(rule.domain, shape=layer.weight.shape)
+        domain = dataclasses.replace(rule.input_domain(), shape=layer.weight.shape)
         bias = np.random.default_rng(i).uniform(-0.1, 0.1, layer.bias.shape)
         params = (domain.sample(jax.random.key(30 + i)), jnp.asarray(bias, jnp.float32))
         layers.append(eqx.tree_at(lambda m: (m.weight, m.bias), layer, params))
@@ -772,7 +772,7 @@ def check_quantized(rule, cls=eqxrules.Quantized):
     float_model = _float_model(rule)
     model = _quantize(float_model, rule, cls)
     mlp = _quantize(_float_model(rule, mlp=True), rule, cls)
-    x = dataclasses.replace(rule.domain, shape=(3,)).sample(jax.random.key(2))
+    x = dataclasses.replace(rule.input_domain(), shape=(3,)).sample(jax.random.key(2))
     keyless = not _needs_key(rule)
     if not keyless:
         assert _asks_for_key(lambda: model(x)), "without a key: no clear error"

@@ -4,18 +4,19 @@
 Every test asserts the exception type and that the message names the rule (its
 functional name or its class name), the argument and the offending value. Where the
 catalogue's data says enough (`elementwise`, `pytree_input`, `call_kwargs`, the
-references, `invalid_hyperparameters`) the test runs over every entry, so adding a
-rule needs no edit here.
+references, the hyperparameter declarations) the test runs over every entry, so
+adding a rule needs no edit here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools as ft
+import inspect
 import pathlib
 import re
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -23,20 +24,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from conftest import CALL_KEY, ENTRIES, KEY, examples as _examples, sum_loss
 
 import eqxrules
-from eqxrules import BadHyperparameter
+from eqxrules._hyper import Invalid, declarations
 from eqxrules.testing import RuleCheckError, check_rule
 
-KEY = jax.random.key(0)
-CALL_KEY = jax.random.key(2)
-ENTRIES = eqxrules.catalogue()
 NAN, INF = float("nan"), float("inf")
-
-
-@ft.cache
-def _examples(entry: eqxrules.Entry) -> tuple[eqxrules.Rule, ...]:
-    return tuple(entry.examples(KEY))
 
 
 def _names(cls: type) -> list[str]:
@@ -58,70 +52,84 @@ def _sample(entry: eqxrules.Entry, seed: int = 1) -> np.ndarray:
     return np.array(entry.domain.sample(jax.random.key(seed), off_kinks=True))
 
 
-def _loss(out: Any) -> jax.Array:
-    leaves = [o for o in jtu.tree_leaves(out) if eqx.is_inexact_array(o)]
-    return sum((jnp.sum(o.astype(jnp.float32)) for o in leaves), jnp.zeros(()))
+_loss = sum_loss
 
 
 # --------------------------------------------------------------------------------
-# Invalid hyperparameters: each rule declares its own (`invalid_hyperparameters`);
-# `Quantized`, a layer rather than a catalogue entry, has its rows here.
+# Invalid hyperparameters: derived from each rule's field declarations (every bad
+# value of every check of every hyperparameter); `Quantized`, a layer rather than a
+# catalogue entry, has its rows here.
+
+
+class _Bad(NamedTuple):
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    error: type[Exception]
+    argument: str
+    value: Any = None  # `None`: the message need not show it
 
 
 def _mlp():
     return eqx.nn.MLP(3, 2, 4, 1, key=KEY)
 
 
-def _quantized_rows() -> list[BadHyperparameter]:
+def _quantized_rows() -> list[_Bad]:
     linear = eqx.nn.Linear(3, 2, key=KEY)
     return [
-        BadHyperparameter((jnp.tanh,), {}, TypeError, "layer", None),
-        BadHyperparameter(
-            (linear,), {"kernel_quantizer": 3}, TypeError, "kernel_quantizer", 3
-        ),
-        BadHyperparameter(
-            (linear,), {"input_quantizer": "x"}, TypeError, "input_quantizer", "x"
-        ),
+        _Bad((jnp.tanh,), {}, TypeError, "layer"),
+        _Bad((linear,), {"kernel_quantizer": 3}, TypeError, "kernel_quantizer", 3),
+        _Bad((linear,), {"input_quantizer": "x"}, TypeError, "input_quantizer", "x"),
     ]
+
+
+def _rule_rows(entry: eqxrules.Entry) -> list[Invalid]:
+    return entry.module.invalid_hyperparameters(KEY)
+
+
+def _row_id(name: str, bad: Any, i: int) -> str:
+    return f"{name}-{bad.argument}={bad.value!r}-{i}"
 
 
 def _invalid_cases() -> list[Any]:
-    rows = [
-        (entry.module, bad)
-        for entry in ENTRIES
-        for bad in entry.module.invalid_hyperparameters(KEY)
-    ]
+    rows = [(entry.module, bad) for entry in ENTRIES for bad in _rule_rows(entry)]
     if hasattr(eqxrules, "Quantized"):
         rows += [(eqxrules.Quantized, bad) for bad in _quantized_rows()]
     return [
-        pytest.param(
-            module, bad, id=f"{module.__name__}-{bad.argument}={bad.value!r}-{i}"
-        )
+        pytest.param(module, bad, id=_row_id(module.__name__, bad, i))
         for i, (module, bad) in enumerate(rows)
     ]
+
+
+def _shown(bad: Any) -> list[str]:
+    return [f"`{bad.argument}`"] + ([] if bad.value is None else [f"={bad.value!r}"])
 
 
 @pytest.mark.parametrize("module,bad", _invalid_cases())
 def test_invalid_hyperparameter(module, bad):
     """Rejected when the Module is built, naming the rule, the argument and the
     value."""
-    with pytest.raises(bad.error) as info:
-        module(*bad.args, **bad.kwargs)
-    shown = [f"`{bad.argument}`"]
-    if bad.value is not None:
-        shown.append(f"={bad.value!r}")
-    _assert_names(str(info.value), _names(module), *shown)
+    args = getattr(bad, "args", ())
+    with pytest.raises(bad.error) as info, warnings.catch_warnings():
+        # An array scale is set as a (dynamic) field: no warning is due, but
+        # older Equinox may warn about arrays in fields all the same.
+        warnings.simplefilter("ignore", UserWarning)
+        module(*args, **bad.kwargs)
+    _assert_names(str(info.value), _names(module), *_shown(bad))
 
 
 def _keyword_rows() -> list[Any]:
-    """The declared invalid rows that are keyword hyperparameters alone: those the
-    functional form takes as keywords too (`ste_sign(x, clip_value=...)`)."""
-    return [
-        pytest.param(entry, bad, id=f"{entry.name}-{bad.argument}={bad.value!r}-{i}")
-        for entry in ENTRIES
-        for i, bad in enumerate(entry.module.invalid_hyperparameters(KEY))
-        if not bad.args
-    ]
+    """The invalid rows whose every field the functional form takes by keyword
+    (`ste_sign(x, clip_value=...)`), as it does every hyperparameter."""
+    rows = []
+    for entry in ENTRIES:
+        params = inspect.signature(entry.function).parameters
+        keyword = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        rows += [
+            pytest.param(entry, bad, id=_row_id(entry.name, bad, i))
+            for i, bad in enumerate(_rule_rows(entry))
+            if set(bad.kwargs) <= keyword
+        ]
+    return rows
 
 
 @pytest.mark.parametrize("entry,bad", _keyword_rows())
@@ -131,26 +139,35 @@ def test_invalid_hyperparameter_at_call(entry, bad):
     call_kwargs = _examples(entry)[0].call_kwargs(CALL_KEY)
     with pytest.raises(bad.error) as info:
         entry.function(x, **call_kwargs, **bad.kwargs)
-    shown = [f"`{bad.argument}`"] + ([] if bad.value is None else [f"={bad.value!r}"])
-    _assert_names(str(info.value), _names(entry.module), *shown)
+    _assert_names(str(info.value), _names(entry.module), *_shown(bad))
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_every_hyperparameter_has_an_invalid_value(entry):
-    """Every static field (hyperparameter) of a rule is the `argument` of at least
-    one of the rule's `invalid_hyperparameters`, so a new hyperparameter comes with
-    its misuse case, declared on the rule."""
-    static = {
-        f.name
-        for f in dataclasses.fields(entry.module)  # type: ignore[arg-type]
-        if f.metadata.get("static", False)
-    }
-    declared = {bad.argument for bad in entry.module.invalid_hyperparameters(KEY)}
-    missing = sorted(static - declared)
-    assert not missing, (
-        f"`{entry.module.__name__}.invalid_hyperparameters` declares no invalid value "
-        f"for {missing}"
-    )
+    """Every field of a rule is declared with `hyperparameter(...)` and is the
+    `argument` of at least one invalid construction, so a new hyperparameter comes
+    with its misuse cases, from its declaration."""
+    fields = {f.name for f in dataclasses.fields(entry.module)}  # type: ignore[arg-type]
+    assert set(declarations(entry.module)) == fields
+    covered = {bad.argument for bad in _rule_rows(entry)}
+    missing = sorted(fields - covered)
+    assert not missing, f"`{entry.module.__name__}`: no invalid value for {missing}"
+
+
+def test_wrong_types_are_type_errors_and_wrong_values_value_errors():
+    """As in Equinox: a wrong type is a `TypeError`, also for a bool or a string
+    where a number is due; a value of the right type out of range, a
+    `ValueError`."""
+    _require("SteQuantize", "SteSign")
+    for bits in (2.5, True, "2", None):
+        with pytest.raises(TypeError, match=f"`bits` \\(={bits!r}\\)"):
+            eqxrules.SteQuantize(bits=bits)
+    with pytest.raises(ValueError, match="`bits` \\(=0\\) must be >= 1"):
+        eqxrules.SteQuantize(bits=0)
+    with pytest.raises(TypeError, match="must be a real number"):
+        eqxrules.SteSign(clip_value=True)
+    with pytest.raises(ValueError, match="must be greater than `lo` \\(=1.0\\)"):
+        eqxrules.SteQuantize(lo=1.0, hi=0.5)
 
 
 def test_hyperparameter_traced_under_jit():
@@ -163,6 +180,15 @@ def test_hyperparameter_traced_under_jit():
         jax.jit(lambda c, x: eqxrules.ste_sign(x, clip_value=c))(1.0, x)
     # The tracer's repr is `Traced<...>` before jax 0.7 and `...Tracer...` after.
     _assert_names(str(info.value), _names(eqxrules.SteSign), "`clip_value`", "Trace")
+
+
+def test_hyperparameters_by_position_name_the_calling_convention():
+    """Functional forms take hyperparameters by keyword only: a positional one is a
+    `TypeError` that shows how to call the rule."""
+    _require("ste_sign")
+    with pytest.raises(TypeError) as info:
+        eqxrules.ste_sign(jnp.ones(3), 0.5)  # type: ignore[misc]
+    _assert_names(str(info.value), ["ste_sign"], "clip_value=1.0", "by keyword")
 
 
 # --------------------------------------------------------------------------------

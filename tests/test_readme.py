@@ -1,8 +1,10 @@
 """The README's generated tables cannot drift from the code."""
 
+import inspect
 import pathlib
 import re
 
+import eqxrules
 from eqxrules import _cli
 from eqxrules.testing import check_rule
 
@@ -18,6 +20,14 @@ def _between(name: str) -> str:
 def test_catalogue_table_matches_catalogue():
     """Regenerate with `python -m eqxrules list --markdown`."""
     assert _between("catalogue") == _cli.catalogue_markdown()
+
+
+def test_example_rule_is_the_catalogue_rule():
+    """The "Declaring a rule" example is `QuadraticSign`'s source, whole: at most
+    40 lines. Regenerate with `python scripts/update_readme.py`."""
+    source = inspect.getsource(eqxrules.QuadraticSign)
+    assert _between("rule-example") == f"```python\n{source}```"
+    assert len(source.splitlines()) <= 40
 
 
 def test_checks_table_matches_check_rule_docstring():

@@ -134,7 +134,7 @@ def test_pytree_output_and_plain_function_sub_model():
     "scale", [0.0, float("nan"), float("inf"), -float("inf"), jnp.array([1.0, 0.0])]
 )
 def test_bad_scale_is_rejected_at_construction(scale):
-    with pytest.raises(ValueError, match=r"`ScaledModel`: `scale` \(=.*\) must be"):
+    with pytest.raises(ValueError, match=r"`scaled_call`: `scale` \(=.*\) must be"):
         ScaledModel(_linear(), scale)
     with pytest.raises(ValueError, match="`scale`"):
         scaled_call(_linear(), X, scale)

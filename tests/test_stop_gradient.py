@@ -341,7 +341,7 @@ def test_standardize_vjp_property(data):
     [
         (dict(eps=-1.0), ValueError, r"`standardize`: `eps` \(=-1.0\) must be finite"),
         (dict(eps=float("nan")), ValueError, r"`eps` \(=nan\) must be finite"),
-        (dict(eps="small"), TypeError, r"`eps` \(='small'\) must be a Python number"),
+        (dict(eps="small"), TypeError, r"`eps` \(='small'\) must be a real number"),
         (dict(axis=1.5), TypeError, r"`standardize`: `axis` \(=1.5\) must be an int"),
         (dict(axis=()), TypeError, r"`axis` \(=\(\)\) must be an int"),
     ],

@@ -1,8 +1,20 @@
-"""One module per family of rules. Importing this package declares every rule; the
-order of the imports is the order of the catalogue, so it is kept by hand."""
+"""Every rule eqxrules ships, one small module per family.
+
+Importing a family defines its rules, and defining a rule registers it: the order of
+the imports below is the order of the catalogue. What this package exports (each
+rule class and its functional form) is read from the catalogue, so adding a rule
+needs no edit here.
+"""
 
 # isort: skip_file
 from . import scaled as scaled
+from . import sign as sign
+from . import quantize as quantize
 from . import straight_through as straight_through
+from . import categorical as categorical
 from . import stop_gradient as stop_gradient
 from . import gradient as gradient
+from .._registry import library_names
+
+globals().update(library_names())
+__all__ = list(library_names())  # pyright: ignore[reportUnsupportedDunderAll]

@@ -3,40 +3,18 @@ clipped or cleaned. Every rule here applies to any pytree `x`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._catalogue import (
-    BadHyperparameter,
-    PytreeRule,
-    VJPRule,
-    functional,
-    map_tangent,
-    validate_positive,
-)
+from .._catalogue import PytreeRule, VJPRule, map_tangent
+from .._hyper import at_least_zero, at_most, finite, hyperparameter, positive
 
-_NAN, _INF = float("nan"), float("inf")
-
-
-def _check_number(rule: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"`{rule}`: `{name}` (={value!r}) must be a Python number (it is a static "
-            "hyperparameter)."
-        )
-
-
-def _check_finite(rule: str, name: str, value: Any) -> None:
-    _check_number(rule, name, value)
-    if not math.isfinite(value):
-        raise ValueError(f"`{rule}`: `{name}` (={value!r}) must be finite.")
+_ZERO_STAYS_ZERO = ", so that a zero cotangent stays zero"
 
 
 class GradientReversal(PytreeRule):
@@ -56,7 +34,7 @@ class GradientReversal(PytreeRule):
 
     **Arguments:**
 
-    - `scale`: a finite Python number, $\lambda$.
+    - `scale`: a finite number, $\lambda$.
 
     !!! Example
 
@@ -66,15 +44,11 @@ class GradientReversal(PytreeRule):
         ```
     """
 
-    scale: float = eqx.field(static=True, default=1.0)
+    scale: float = hyperparameter(1.0, finite)
 
     summary: ClassVar[str] = (
         "identity with derivative `-scale * t` (forward and reverse)"
     )
-    exact: ClassVar[bool] = False
-
-    def __check_init__(self):
-        _check_finite(self.rule_name(), "scale", self.scale)
 
     def is_exact(self) -> bool:
         return self.scale == -1
@@ -96,21 +70,6 @@ class GradientReversal(PytreeRule):
     def examples(cls, key: PRNGKeyArray) -> Sequence[GradientReversal]:
         return [cls(), cls(scale=0.3)]
 
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        return [
-            BadHyperparameter((), {"scale": _NAN}, ValueError, "scale", _NAN),
-            BadHyperparameter((), {"scale": _INF}, ValueError, "scale", _INF),
-            BadHyperparameter((), {"scale": "1"}, TypeError, "scale", "1"),
-        ]
-
-
-@functional(GradientReversal)
-def gradient_reversal(x: PyTree, scale: float = 1.0) -> PyTree:
-    """Functional form of [`GradientReversal`][]: `GradientReversal(scale)(x)`, the
-    identity with derivative `-scale * t`."""
-    return GradientReversal(scale=scale)(x)
-
 
 class GradientScale(PytreeRule):
     r"""The identity, with the derivative scaled.
@@ -127,19 +86,15 @@ class GradientScale(PytreeRule):
 
     **Arguments:**
 
-    - `scale`: a finite Python number, $\lambda$ (zero and negative values are
+    - `scale`: a finite number, $\lambda$ (zero and negative values are
         allowed: `scale=0` is [`Detach`][], `scale=-1` is [`GradientReversal`][]).
     """
 
-    scale: float = eqx.field(static=True)
+    scale: float = hyperparameter(finite)
 
     summary: ClassVar[str] = (
         "identity with derivative `scale * t` (forward and reverse)"
     )
-    exact: ClassVar[bool] = False
-
-    def __check_init__(self):
-        _check_finite(self.rule_name(), "scale", self.scale)
 
     def is_exact(self) -> bool:
         return self.scale == 1
@@ -160,20 +115,6 @@ class GradientScale(PytreeRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[GradientScale]:
         return [cls(2.5)]
-
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        return [
-            BadHyperparameter((_NAN,), {}, ValueError, "scale", _NAN),
-            BadHyperparameter((None,), {}, TypeError, "scale", None),
-        ]
-
-
-@functional(GradientScale)
-def gradient_scale(x: PyTree, scale: float) -> PyTree:
-    """Functional form of [`GradientScale`][]: `GradientScale(scale)(x)`, the identity
-    with derivative `scale * t`."""
-    return GradientScale(scale)(x)
 
 
 class _CotangentRule(VJPRule):
@@ -220,30 +161,15 @@ class ClipGradient(_CotangentRule):
 
     **Arguments:**
 
-    - `lo`, `hi`: Python numbers with `lo <= 0 <= hi` (infinite values clip one side
+    - `lo`, `hi`: numbers with `lo <= 0 <= hi` (infinite values clip one side
         only). A zero cotangent must stay zero, otherwise an output that does not
         affect the loss would send gradient back.
     """
 
-    lo: float = eqx.field(static=True)
-    hi: float = eqx.field(static=True)
+    lo: float = hyperparameter(at_most(0, _ZERO_STAYS_ZERO))
+    hi: float = hyperparameter(at_least_zero(_ZERO_STAYS_ZERO))
 
     summary: ClassVar[str] = "identity; cotangent clipped elementwise to `[lo, hi]`"
-    exact: ClassVar[bool] = False
-
-    def __check_init__(self):
-        name = self.rule_name()
-        _check_number(name, "lo", self.lo)
-        _check_number(name, "hi", self.hi)
-        if not self.lo <= self.hi:
-            raise ValueError(
-                f"`{name}`: `lo` (={self.lo!r}) must be <= `hi` (={self.hi!r})."
-            )
-        if not self.lo <= 0 <= self.hi:
-            raise ValueError(
-                f"`{name}`: `lo` (={self.lo!r}) must be <= 0 and `hi` (={self.hi!r}) "
-                "must be >= 0, so that a zero cotangent stays zero."
-            )
 
     def shape_cotangent(self, cotangent: PyTree) -> PyTree:
         return _leafwise(lambda c: jnp.clip(c, self.lo, self.hi), cotangent)
@@ -257,22 +183,6 @@ class ClipGradient(_CotangentRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[ClipGradient]:
         return [cls(-0.3, 1.0)]
-
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        return [
-            BadHyperparameter((1.0, 0.5), {}, ValueError, "lo", 1.0),
-            BadHyperparameter((0.5, 1.0), {}, ValueError, "lo", 0.5),
-            BadHyperparameter((-1.0, -0.5), {}, ValueError, "hi", -0.5),
-            BadHyperparameter(("a", 1.0), {}, TypeError, "lo", "a"),
-        ]
-
-
-@functional(ClipGradient)
-def clip_gradient(x: PyTree, lo: float, hi: float) -> PyTree:
-    """Functional form of [`ClipGradient`][]: `ClipGradient(lo, hi)(x)`, the identity
-    whose cotangent is clipped elementwise to `[lo, hi]`. Reverse mode only."""
-    return ClipGradient(lo, hi)(x)
 
 
 def _squared_norm(cotangent: PyTree) -> Array:
@@ -299,17 +209,12 @@ class ClipGradientNorm(_CotangentRule):
 
     **Arguments:**
 
-    - `max_norm`: a finite, positive Python number.
+    - `max_norm`: a finite, positive number.
     """
 
-    max_norm: float = eqx.field(static=True)
+    max_norm: float = hyperparameter(positive)
 
     summary: ClassVar[str] = "identity; cotangent rescaled to global norm <= `max_norm`"
-    exact: ClassVar[bool] = False
-
-    def __check_init__(self):
-        _check_number(self.rule_name(), "max_norm", self.max_norm)
-        validate_positive(self.rule_name(), "max_norm", self.max_norm, allow_zero=False)
 
     def shape_cotangent(self, cotangent: PyTree) -> PyTree:
         squared = _squared_norm(cotangent)
@@ -336,23 +241,6 @@ class ClipGradientNorm(_CotangentRule):
         # example rescales them, the second leaves them alone.
         return [cls(1.0), cls(100.0)]
 
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        return [
-            BadHyperparameter((0.0,), {}, ValueError, "max_norm", 0.0),
-            BadHyperparameter((-1.0,), {}, ValueError, "max_norm", -1.0),
-            BadHyperparameter((_NAN,), {}, ValueError, "max_norm", _NAN),
-            BadHyperparameter(("1",), {}, TypeError, "max_norm", "1"),
-        ]
-
-
-@functional(ClipGradientNorm)
-def clip_gradient_norm(x: PyTree, max_norm: float) -> PyTree:
-    """Functional form of [`ClipGradientNorm`][]: `ClipGradientNorm(max_norm)(x)`, the
-    identity whose cotangent is rescaled to global norm at most `max_norm`. Reverse
-    mode only."""
-    return ClipGradientNorm(max_norm)(x)
-
 
 class ZeroNonFiniteGradient(_CotangentRule):
     r"""The identity, with NaN and $\pm\infty$ cotangent entries set to zero.
@@ -373,7 +261,7 @@ class ZeroNonFiniteGradient(_CotangentRule):
     """
 
     summary: ClassVar[str] = "identity; NaN and inf cotangent entries become 0"
-    exact: ClassVar[bool] = False
+    functional_name: ClassVar[str] = "zero_nonfinite_gradient"
 
     def shape_cotangent(self, cotangent: PyTree) -> PyTree:
         return _leafwise(
@@ -385,11 +273,3 @@ class ZeroNonFiniteGradient(_CotangentRule):
             lambda c: jnp.nan_to_num(c, nan=0.0, posinf=0.0, neginf=0.0), cotangent
         )
         return self._no_cotangent(), ct
-
-
-@functional(ZeroNonFiniteGradient)
-def zero_nonfinite_gradient(x: PyTree) -> PyTree:
-    """Functional form of [`ZeroNonFiniteGradient`][]: `ZeroNonFiniteGradient()(x)`,
-    the identity whose NaN and infinite cotangent entries become zero. Reverse mode
-    only."""
-    return ZeroNonFiniteGradient()(x)

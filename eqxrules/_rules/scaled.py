@@ -8,18 +8,10 @@ from typing import Any, ClassVar, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import core
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree
 
-from .._catalogue import (
-    BadHyperparameter,
-    Domain,
-    JVPRule,
-    call_with_key,
-    functional,
-    partial_jvp,
-)
+from .._catalogue import Domain, JVPRule, call_with_key, functional, partial_jvp
+from .._hyper import finite_nonzero, function, hyperparameter, one_of
 
 Mode = Literal["exact", "skip_scale", "stop_input"]
 _MODES = ("exact", "skip_scale", "stop_input")
@@ -65,9 +57,9 @@ class ScaledModel(JVPRule):
         ```
     """
 
-    sub_model: Callable[..., PyTree[Array]]
-    scale: float | Array
-    mode: Mode = eqx.field(static=True, default="exact")
+    sub_model: Callable[..., PyTree[Array]] = hyperparameter(function, static=False)
+    scale: float | Array = hyperparameter(finite_nonzero, static=False)
+    mode: Mode = hyperparameter("exact", one_of(*_MODES))
 
     summary: ClassVar[str] = (
         "`sub_model(x / scale)`; `mode` picks the derivative: exact, skip_scale or "
@@ -76,34 +68,6 @@ class ScaledModel(JVPRule):
     exact: ClassVar[bool] = True
     elementwise: ClassVar[bool] = False
     domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, shape=(3,))
-
-    def __check_init__(self):
-        if self.mode not in _MODES:
-            raise ValueError(
-                f"`ScaledModel`: `mode` (={self.mode!r}) must be one of {_MODES}."
-            )
-        if not callable(self.sub_model):
-            raise TypeError(
-                f"`ScaledModel`: `sub_model` (={self.sub_model!r}) must be callable."
-            )
-        if isinstance(self.scale, bool) or not isinstance(
-            self.scale, (int, float, np.ndarray, jax.Array, np.generic)
-        ):
-            raise TypeError(
-                f"`ScaledModel`: `scale` (={self.scale!r}) must be a Python number or "
-                "an array."
-            )
-        if not isinstance(self.scale, core.Tracer):
-            s = np.asarray(self.scale)
-            if not jnp.issubdtype(s.dtype, jnp.number):
-                raise TypeError(
-                    f"`ScaledModel`: `scale` (={self.scale!r}) must be numeric."
-                )
-            if np.any(s == 0) or not np.all(np.isfinite(s)):
-                raise ValueError(
-                    f"`ScaledModel`: `scale` (={self.scale!r}) must be finite and "
-                    "non-zero everywhere."
-                )
 
     def is_exact(self) -> bool:
         return self.mode == "exact"
@@ -177,33 +141,13 @@ class ScaledModel(JVPRule):
             cls(_sin_and_square, 3.0, mode="skip_scale"),
         ]
 
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        mlp = eqx.nn.MLP(3, 2, 4, 1, key=key)
-        nan, inf = float("nan"), float("inf")
-        return [
-            BadHyperparameter(
-                (mlp, 2.0), {"mode": "bogus"}, ValueError, "mode", "bogus"
-            ),
-            BadHyperparameter((mlp, 0.0), {}, ValueError, "scale", 0.0),
-            BadHyperparameter((mlp, nan), {}, ValueError, "scale", nan),
-            BadHyperparameter((mlp, -inf), {}, ValueError, "scale", -inf),
-            BadHyperparameter(
-                (mlp, np.array([1.0, 0.0, 2.0])), {}, ValueError, "scale", None
-            ),
-            BadHyperparameter((mlp, "2"), {}, TypeError, "scale", "2"),
-            BadHyperparameter((mlp, True), {}, TypeError, "scale", True),
-            BadHyperparameter((3, 2.0), {}, TypeError, "sub_model", 3),
-        ]
-
 
 @functional(ScaledModel)
 def scaled_call(
     sub_model: Callable[..., PyTree[Array]],
     x: ArrayLike,
     scale: float | Array,
+    *,
     mode: Mode = "exact",
 ) -> PyTree[Array]:
-    """Functional form of [`ScaledModel`][]: `ScaledModel(sub_model, scale,
-    mode=mode)(x)`, i.e. `sub_model(x / scale)` with the derivative `mode` picks."""
     return ScaledModel(sub_model, scale, mode=mode)(x)

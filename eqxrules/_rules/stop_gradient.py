@@ -3,6 +3,7 @@ blocked (all of it, or with respect to some inputs only)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -13,7 +14,6 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._catalogue import (
-    BadHyperparameter,
     Domain,
     JVPRule,
     PytreeRule,
@@ -23,8 +23,8 @@ from .._catalogue import (
     map_tangent,
     no_tangent,
     partial_jvp,
-    validate_positive,
 )
+from .._hyper import axis_indices, function, hyperparameter, non_negative
 
 
 def _frozen(tree: PyTree) -> PyTree:
@@ -39,7 +39,15 @@ def _frozen(tree: PyTree) -> PyTree:
     return eqx.combine(jax.lax.stop_gradient(dynamic), static)
 
 
-class _WrapperRule(JVPRule):
+class _Blocking(JVPRule):
+    """A rule whose `primal` blocks the same paths as its `tangent` (by freezing
+    them, see `_frozen`), so derivatives of every order agree with its references."""
+
+    def higher_order(self) -> bool:
+        return True
+
+
+class _WrapperRule(_Blocking):
     """Base of the rules that call a wrapped callable on `x`.
 
     The callable's output may hold non-array leaves; those are found by tracing it
@@ -48,31 +56,32 @@ class _WrapperRule(JVPRule):
     """
 
     elementwise: ClassVar[bool] = False
+    domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, shape=(3,))
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[Any]:
+        # Each subclass has one field, the callable it wraps.
+        wrap: Any = cls
+        return [wrap(eqx.nn.MLP(3, 2, 5, 2, activation=jnp.tanh, key=key))]
 
     def _wrapped(self) -> Callable[..., PyTree]:
-        raise NotImplementedError
+        # The one field: the callable wrapped.
+        return getattr(self, dataclasses.fields(self)[0].name)
+
+    def reference_forward(
+        self, x: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> PyTree:
+        return call_with_key(self._wrapped(), x, key)
 
     def __call__(
         self, *args: PyTree, key: PRNGKeyArray | None = None, **kwargs: Any
     ) -> PyTree:
-        self._check_arity(args)
-        (x,) = args
-        if isinstance(x, float):
-            x = jnp.asarray(x)
+        x = self._one_input(args)
         shapes = eqx.filter_eval_shape(
             lambda f, x: call_with_key(f, x, key), self._wrapped(), x
         )
         other = eqx.filter(shapes, lambda s: isinstance(s, jax.ShapeDtypeStruct), True)
         return eqx.combine(super().__call__(x, key=key, **kwargs), other)
-
-
-def _check_callable(rule: str, name: str, value: Any) -> None:
-    if not callable(value):
-        raise TypeError(f"`{rule}`: `{name}` (={value!r}) must be callable.")
-
-
-def _mlp_examples(cls: Any, key: PRNGKeyArray) -> list[Any]:
-    return [cls(eqx.nn.MLP(3, 2, 5, 2, activation=jnp.tanh, key=key))]
 
 
 class StopGradient(_WrapperRule):
@@ -103,23 +112,11 @@ class StopGradient(_WrapperRule):
         ```
     """
 
-    fn: Callable[..., PyTree]
+    fn: Callable[..., PyTree] = hyperparameter(function, static=False)
 
     summary: ClassVar[str] = (
         "`fn(x)` with zero derivative in `x` and in `fn`'s parameters"
     )
-    exact: ClassVar[bool] = False
-    domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, shape=(3,))
-
-    def __check_init__(self):
-        _check_callable(self.rule_name(), "fn", self.fn)
-
-    def _wrapped(self) -> Callable[..., PyTree]:
-        return self.fn
-
-    def higher_order(self) -> bool:
-        # `primal` blocks the same paths as `tangent`, so every order agrees.
-        return True
 
     def primal(self, x: PyTree, *, key: PRNGKeyArray | None = None) -> PyTree:
         fn, x = _frozen((self.fn, x))
@@ -128,29 +125,14 @@ class StopGradient(_WrapperRule):
     def tangent(self, args, t_args, t_self, out, **kwargs):
         return no_tangent(out)
 
-    def reference_forward(
-        self, x: PyTree, *, key: PRNGKeyArray | None = None
-    ) -> PyTree:
-        return call_with_key(self.fn, x, key)
-
     def reference_derivative(
         self, x: PyTree, *, key: PRNGKeyArray | None = None
     ) -> PyTree:
         return jax.lax.stop_gradient(call_with_key(self.fn, x, key))
 
-    @classmethod
-    def examples(cls, key: PRNGKeyArray) -> Sequence[StopGradient]:
-        return _mlp_examples(cls, key)
-
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        return [BadHyperparameter((3,), {}, TypeError, "fn", 3)]
-
 
 @functional(StopGradient)
 def stop_gradient_call(fn: Callable[..., PyTree], x: PyTree) -> PyTree:
-    """Functional form of [`StopGradient`][]: `StopGradient(fn)(x)`, i.e. `fn(x)` with
-    zero derivative with respect to `x` and to every parameter of `fn`."""
     return StopGradient(fn)(x)
 
 
@@ -184,23 +166,11 @@ class Frozen(_WrapperRule):
         ```
     """
 
-    module: Callable[..., PyTree]
+    module: Callable[..., PyTree] = hyperparameter(function, static=False)
 
     summary: ClassVar[str] = (
         "`module(x)` with zero derivative in its parameters; flows in `x`"
     )
-    exact: ClassVar[bool] = False
-    domain: ClassVar[Domain] = Domain(low=-2.0, high=2.0, shape=(3,))
-
-    def __check_init__(self):
-        _check_callable(self.rule_name(), "module", self.module)
-
-    def _wrapped(self) -> Callable[..., PyTree]:
-        return self.module
-
-    def higher_order(self) -> bool:
-        # `primal` blocks the same paths as `tangent`, so every order agrees.
-        return True
 
     def primal(self, x: PyTree, *, key: PRNGKeyArray | None = None) -> PyTree:
         return eqx.filter(call_with_key(_frozen(self.module), x, key), eqx.is_array)
@@ -214,11 +184,6 @@ class Frozen(_WrapperRule):
         )
         return no_tangent(out) if t_out is None else t_out
 
-    def reference_forward(
-        self, x: PyTree, *, key: PRNGKeyArray | None = None
-    ) -> PyTree:
-        return call_with_key(self.module, x, key)
-
     def reference_derivative(
         self, x: PyTree, *, key: PRNGKeyArray | None = None
     ) -> PyTree:
@@ -228,24 +193,13 @@ class Frozen(_WrapperRule):
         )
         return call_with_key(frozen, x, key)
 
-    @classmethod
-    def examples(cls, key: PRNGKeyArray) -> Sequence[Frozen]:
-        return _mlp_examples(cls, key)
-
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        return [BadHyperparameter(("m",), {}, TypeError, "module", "m")]
-
 
 @functional(Frozen)
 def frozen_call(module: Callable[..., PyTree], x: PyTree) -> PyTree:
-    """Functional form of [`Frozen`][]: `Frozen(module)(x)`, i.e. `module(x)` with zero
-    derivative with respect to the module's parameters and the true one with
-    respect to `x`."""
     return Frozen(module)(x)
 
 
-class Detach(PytreeRule):
+class Detach(PytreeRule, _Blocking):
     r"""The identity on any pytree, with zero derivative: PyTorch's `x.detach()`.
 
     $$y = x, \qquad \dot y = 0,$$
@@ -264,11 +218,6 @@ class Detach(PytreeRule):
     """
 
     summary: ClassVar[str] = "identity on any pytree, with zero derivative"
-    exact: ClassVar[bool] = False
-
-    def higher_order(self) -> bool:
-        # `primal` blocks the same paths as `tangent`, so every order agrees.
-        return True
 
     def primal(self, x: PyTree) -> PyTree:
         return _frozen(x)
@@ -283,19 +232,12 @@ class Detach(PytreeRule):
         return jtu.tree_map(lambda a: a - (a - jax.lax.stop_gradient(a)), x)
 
 
-@functional(Detach)
-def detach(x: PyTree) -> PyTree:
-    """Functional form of [`Detach`][]: `Detach()(x)`, the identity on any pytree with
-    zero derivative."""
-    return Detach()(x)
-
-
 def _wide(x: Array) -> Array:
     # Statistics of bf16/f16 inputs are accumulated in (at least) float32.
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-class Standardize(PytreeRule):
+class Standardize(PytreeRule, _Blocking):
     r"""Standardises every floating-point leaf along `axis`, with the statistics
     treated as constants.
 
@@ -322,28 +264,12 @@ class Standardize(PytreeRule):
         constant slice divides by zero.
     """
 
-    axis: int | tuple[int, ...] = eqx.field(static=True, default=-1)
-    eps: float = eqx.field(static=True, default=1e-5)
+    axis: int | tuple[int, ...] = hyperparameter(-1, axis_indices)
+    eps: float = hyperparameter(1e-5, non_negative)
 
     summary: ClassVar[str] = (
         "`(x - mean) / (std + eps)` along `axis`; mean and std get no gradient"
     )
-    exact: ClassVar[bool] = False
-
-    def __check_init__(self):
-        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
-        if not axes or not all(
-            isinstance(a, int) and not isinstance(a, bool) for a in axes
-        ):
-            raise TypeError(
-                f"`{self.rule_name()}`: `axis` (={self.axis!r}) must be an int or a "
-                "non-empty tuple of ints."
-            )
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
-            raise TypeError(
-                f"`{self.rule_name()}`: `eps` (={self.eps!r}) must be a Python number."
-            )
-        validate_positive(self.rule_name(), "eps", self.eps, allow_zero=True)
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         # Checked here, at call time: deep inside `jnp.std` a bad axis is an
@@ -355,10 +281,6 @@ class Standardize(PytreeRule):
     def _denominator(self, x: Array) -> Array:
         std = jnp.std(_wide(jax.lax.stop_gradient(x)), axis=self.axis, keepdims=True)
         return std + self.eps
-
-    def higher_order(self) -> bool:
-        # `primal` blocks the same paths as `tangent`, so every order agrees.
-        return True
 
     def primal(self, x: PyTree) -> PyTree:
         def leaf(a):
@@ -401,24 +323,3 @@ class Standardize(PytreeRule):
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[Standardize]:
         return [cls(), cls(axis=0, eps=0.1)]
-
-    @classmethod
-    def invalid_hyperparameters(cls, key: PRNGKeyArray) -> Sequence[BadHyperparameter]:
-        nan = float("nan")
-        return [
-            BadHyperparameter((), {"axis": 1.5}, TypeError, "axis", 1.5),
-            BadHyperparameter((), {"axis": ()}, TypeError, "axis", ()),
-            BadHyperparameter((), {"axis": (0, "a")}, TypeError, "axis", (0, "a")),
-            BadHyperparameter((), {"eps": -1.0}, ValueError, "eps", -1.0),
-            BadHyperparameter((), {"eps": nan}, ValueError, "eps", nan),
-            BadHyperparameter((), {"eps": "1"}, TypeError, "eps", "1"),
-        ]
-
-
-@functional(Standardize)
-def standardize(
-    x: PyTree, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-5
-) -> PyTree:
-    """Functional form of [`Standardize`][]: `Standardize(axis=axis, eps=eps)(x)`,
-    i.e. `(x - mean) / (std + eps)` along `axis` with derivative `t / (std + eps)`."""
-    return Standardize(axis=axis, eps=eps)(x)

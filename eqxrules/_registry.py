@@ -1,0 +1,358 @@
+"""The catalogue: the registry every library rule joins when its class is defined,
+the functional forms derived from the classes, and the [`Entry`][] records the
+tests, the command line and the README read.
+
+It knows rules only through their class attributes (it imports no rule and no rule
+base), so `_catalogue` can register each class as it is defined without an import
+loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools as ft
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PRNGKeyArray
+
+from ._hyper import undeclared
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """Where a rule's inputs are drawn from in tests.
+
+    **Arguments:**
+
+    - `low`, `high`: inputs are drawn uniformly from `[low, high]`.
+    - `kinks`: points where the rule's derivative is discontinuous. Finite differences
+        stay at least `margin` away from them; boundary checks evaluate exactly on them.
+    - `shape`: the shape of a test input.
+    - `margin`: the distance kept from each kink when sampling off kinks.
+    """
+
+    low: float = -2.0
+    high: float = 2.0
+    kinks: tuple[float, ...] = ()
+    shape: tuple[int, ...] = (4, 3)
+    margin: float = 0.05
+
+    def __post_init__(self):
+        if not self.low < self.high:
+            raise ValueError(
+                f"`Domain`: `low` (={self.low}) must be less than `high` "
+                f"(={self.high})."
+            )
+
+    def sample(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32, *, off_kinks: bool = True
+    ) -> Array:
+        """A random input of `self.shape`. With `off_kinks`, no element lies within
+        `margin` of a kink; otherwise every kink also appears exactly once (if the
+        input has room), so boundary behaviour is exercised."""
+        x = jax.random.uniform(
+            key, self.shape, jnp.float32, minval=self.low, maxval=self.high
+        )
+        x = np.array(x)  # a writable copy
+        if off_kinks:
+            for k in self.kinks:
+                near = np.abs(x - k) < self.margin
+                x = np.where(near, k + np.where(x >= k, 1, -1) * self.margin * 2, x)
+        else:
+            flat = x.reshape(-1)
+            for i, k in enumerate(self.kinks[: flat.size]):
+                flat[i] = k
+            x = flat.reshape(self.shape)
+        return jnp.asarray(x, dtype=dtype)
+
+
+_REGISTRY: list[type] = []
+_LIBRARY: set[type] = set()  # registered by definition, not by `functional`
+_BASES = f"{__name__.rpartition('.')[0]}._catalogue"
+
+
+def register(rule: type) -> None:
+    """Add `rule` to the catalogue (a library rule, as its class is defined)."""
+    if rule not in _REGISTRY:
+        _REGISTRY.append(rule)
+        _LIBRARY.add(rule)
+
+
+def registered(rule: type) -> bool:
+    return rule in _REGISTRY
+
+
+def functional_name(rule: type) -> str:
+    """`rule.functional_name`, or the class name in snake case."""
+    declared = rule.__dict__.get("functional_name")
+    if declared:
+        return declared
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", rule.__name__).lower()
+
+
+@ft.cache
+def key_parameter(rule: type) -> str | None:
+    """How `rule.primal` takes a PRNG key: `"required"` (a `key` parameter without a
+    default), `"optional"` (with one) or `None` (no `key` parameter)."""
+    param = inspect.signature(rule.primal).parameters.get("key")
+    if param is None:
+        return None
+    return "required" if param.default is param.empty else "optional"
+
+
+@ft.cache
+def primal_arity(rule: type) -> tuple[str, ...] | None:
+    """The names of `rule.primal`'s positional parameters (after `self`), or `None`
+    if it takes `*args`."""
+    params = list(inspect.signature(rule.primal).parameters.values())[1:]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+    return tuple(p.name for p in params if p.kind in positional)
+
+
+def _bare(sig: inspect.Signature) -> inspect.Signature:
+    """`sig` without annotations, as a reader writes the call."""
+    empty = inspect.Parameter.empty
+    return sig.replace(
+        parameters=[p.replace(annotation=empty) for p in sig.parameters.values()],
+        return_annotation=empty,
+    )
+
+
+def _describe_form(rule: type, fn: Callable[..., Any]) -> str:
+    call = f"{fn.__name__}{_bare(inspect.signature(fn))}"
+    return f"Functional form of [`{rule.__name__}`][]: `{call}`.\n\n{rule.summary}."
+
+
+def functional(rule: type) -> Callable[[_F], _F]:
+    """Declare `fn` as the functional form of `rule`, where the derived one (the
+    inputs of `primal`, then its hyperparameters by keyword) does not fit: a wrapper
+    that takes the wrapped callable first, say. `fn` must do nothing but build the
+    Module and call it. Its docstring, if it has none, is derived from the rule's
+    `summary`.
+
+    For a rule defined outside eqxrules, this is how it asks to join
+    `eqxrules.catalogue()`.
+    """
+
+    def decorator(fn: _F) -> _F:
+        existing = rule.__dict__.get("function")
+        if existing is not None:
+            raise ValueError(
+                f"`{rule.__name__}` already has a functional form "
+                f"`{existing.__name__}`."
+            )
+        if not fn.__doc__:
+            fn.__doc__ = _describe_form(rule, fn)
+        rule.function = fn  # type: ignore[attr-defined]
+        if rule not in _REGISTRY:
+            _REGISTRY.append(rule)
+        return fn
+
+    return decorator
+
+
+def _derived_form(rule: type) -> Callable[..., Any]:
+    """`name(x, [key,] *, hyperparameters...)`: builds `rule` from the keywords
+    given (the Module's own defaults for the others) and calls it."""
+    name = functional_name(rule)
+    inputs = primal_arity(rule) or ("x",)
+    P = inspect.Parameter
+    params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in inputs]
+    needs_key = key_parameter(rule)
+    if needs_key == "required":
+        params.append(P("key", P.POSITIONAL_OR_KEYWORD))
+    elif needs_key == "optional":
+        params.append(P("key", P.KEYWORD_ONLY, default=None))
+    fields = [f.name for f in dataclasses.fields(rule)]
+    for f in dataclasses.fields(rule):
+        default = P.empty if f.default is dataclasses.MISSING else f.default
+        params.append(P(f.name, P.KEYWORD_ONLY, default=default, annotation=f.type))
+    signature = inspect.Signature(params)
+
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise TypeError(
+                f"`{name}`: {e} (it is called as `{name}{_bare(signature)}`: "
+                "hyperparameters by keyword)."
+            ) from None
+        module = rule(**{f: given[f] for f in fields if f in given})
+        key = {"key": given["key"]} if "key" in given else {}
+        return module(*(given[n] for n in inputs), **key)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__module__ = _BASES.rpartition(".")[0]
+    fn.__signature__ = signature  # type: ignore[attr-defined]
+    fn.__doc__ = _describe_form(rule, fn)
+    return fn
+
+
+def declare_functional_forms() -> None:
+    """Give every registered rule without one its derived functional form."""
+    for rule in _REGISTRY:
+        if rule.__dict__.get("function") is None:
+            rule.function = _derived_form(rule)
+
+
+def library_names() -> dict[str, Any]:
+    """`{name: object}` for every library rule class and its functional form, in
+    catalogue order: what `eqxrules` exports."""
+    declare_functional_forms()
+    names: dict[str, Any] = {}
+    for rule in _REGISTRY:
+        if rule in _LIBRARY:
+            names[rule.__name__] = rule
+            names[rule.function.__name__] = rule.function
+    return names
+
+
+def _defines(rule: type, method: str) -> bool:
+    """Whether `rule` (or a base of its own, not a `Rule` base) defines `method`."""
+    owner = next(k for k in rule.__mro__ if method in k.__dict__)
+    return owner.__module__ != _BASES
+
+
+def missing_parts(rule: type) -> list[str]:
+    """What `rule`'s declaration lacks, in words (empty if nothing)."""
+    missing = []
+    doc = rule.__doc__ or ""
+    if not doc.strip() or doc.startswith(f"{rule.__name__}("):
+        missing.append("a class docstring (the maths, the arguments, an example)")
+    if not rule.summary:
+        missing.append("`summary` (the maths in one line of text)")
+    needs = [
+        ("primal", "`primal` (the value)"),
+        (
+            "bwd" if "VJPRule" in (k.__name__ for k in rule.__mro__) else "tangent",
+            "the derivative (`tangent`, or `bwd` for a `VJPRule`)",
+        ),
+        ("reference_forward", "`reference_forward` (an independent reference value)"),
+    ]
+    missing += [what for method, what in needs if not _defines(rule, method)]
+    if not (_defines(rule, "reference_derivative") or _defines(rule, "reference_vjp")):
+        missing.append(
+            "`reference_derivative` or `reference_vjp` (an independent reference "
+            "derivative)"
+        )
+    missing += [
+        f"a declaration of field `{name}` with `hyperparameter(...)` (so it is "
+        "validated and has invalid values)"
+        for name in undeclared(rule)
+    ]
+    if rule.function is None and rule not in _REGISTRY:
+        missing.append("registration (define it in `eqxrules._rules`)")
+    return missing
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One catalogue entry: everything the tests, the CLI and the docs need to know.
+
+    **Fields:**
+
+    - `name`: the functional form's name, e.g. `"ste_sign"`.
+    - `module`: the `eqx.Module` class, e.g. `SteSign`.
+    - `function`: the functional form.
+    - `summary`: one line.
+    - `forward_mode`: whether `jax.jvp` is supported.
+    - `exact`: whether the derivative is the true one (finite differences apply).
+    - `elementwise`: whether it takes one floating-point array.
+    - `domain`: the [`Domain`][] of test inputs, with the kinks of every example.
+        (Each example's own are `rule.input_domain()`.)
+    - `reference_vjp`: whether the derivative is checked against `reference_vjp`
+        (backward not linear in the cotangent) rather than `reference_derivative`.
+    """
+
+    name: str
+    module: type
+    function: Callable[..., Any]
+    summary: str
+    forward_mode: bool
+    exact: bool
+    elementwise: bool
+    domain: Any
+    reference_vjp: bool
+
+    def examples(self, key: PRNGKeyArray) -> Sequence[Any]:
+        return self.module.examples(key)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("fwd", "rev") if self.forward_mode else ("rev",)
+
+    def check_arguments(
+        self, rule: Any, x: Any, key: PRNGKeyArray
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """`(fn, args, references)` for `eqxrules.testing.check_rule(fn, *args,
+        **references)` on one example `rule` and input `x`. The Module itself is an
+        argument, so the parameters of a wrapped sub-model are checked too."""
+        kwargs = rule.call_kwargs(key)
+
+        def fn(m, x):
+            return m(x, **kwargs)
+
+        def forward(m, x):
+            return m.reference_forward(x, **kwargs)
+
+        def derivative(m, x):
+            return m.reference_derivative(x, **kwargs)
+
+        def reference_vjp(ct, m, x):
+            return m.reference_vjp(ct, x, **kwargs)
+
+        references: dict[str, Any] = dict(forward=forward)
+        if self.reference_vjp:
+            references["reference_vjp"] = reference_vjp
+        else:
+            references["derivative"] = derivative
+        return fn, (rule, x), references
+
+
+def _entry(rule: Any) -> Entry:
+    kinks = {k for r in rule.examples(jax.random.key(0)) for k in r.kinks()}
+    return Entry(
+        name=rule.function.__name__,
+        module=rule,
+        function=rule.function,
+        summary=rule.summary,
+        forward_mode=rule.forward_mode,
+        exact=rule.exact,
+        elementwise=rule.elementwise,
+        domain=dataclasses.replace(rule.domain, kinks=tuple(sorted(kinks))),
+        reference_vjp=_defines(rule, "reference_vjp"),
+    )
+
+
+_ENTRIES: dict[type, Entry] = {}
+
+
+def catalogue() -> tuple[Entry, ...]:
+    """Every rule eqxrules ships (and any you registered with `functional`), in
+    declaration order.
+
+    **Returns:**
+
+    A tuple of [`Entry`][] objects.
+    """
+    declare_functional_forms()
+    for rule in _REGISTRY:
+        if rule not in _ENTRIES:
+            _ENTRIES[rule] = _entry(rule)
+    return tuple(_ENTRIES[rule] for rule in _REGISTRY)
+
+
+__all__ = ["Domain", "Entry", "catalogue", "functional", "missing_parts"]

@@ -1,0 +1,225 @@
+r"""Quantisers: rounding onto levels forward, the straight-through estimator
+backward. Values are computed in at least float32 and cast to the input's dtype;
+`round` goes half to even. (Notation: see `_elementwise`.)"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from .._catalogue import Domain
+from .._hyper import at_least, finite, greater_than, hyperparameter, integer
+from ._elementwise import _Elementwise, masked_identity, wide
+
+
+def _reference_round(x: Array) -> Array:
+    # Round half to even, written out: ties go to the even neighbour.
+    f = jnp.floor(x)
+    d = x - f
+    even = jnp.remainder(f, 2) == 0
+    return jnp.where(d > 0.5, f + 1, jnp.where(d < 0.5, f, jnp.where(even, f, f + 1)))
+
+
+def _quantize(x: Array, bits: int, lo: float, hi: float, inside: Array) -> Array:
+    """`2**bits` levels from `lo` to `hi`. `inside` is `[lo <= x <= hi]`: the value
+    selects with it, so XLA computes it once, in the forward pass, and keeps that
+    boolean for the backward pass (which masks with it) instead of keeping `x`
+    alive to compute it again."""
+    n = 2**bits - 1
+    w = x.astype(wide(x.dtype))
+    u = jnp.where(inside, w, jnp.clip(w, lo, hi))
+    k = jnp.round((u - lo) * (n / (hi - lo)))
+    return (lo + (hi - lo) * (k / n)).astype(x.dtype)
+
+
+def _reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
+    n = 2**bits - 1
+    w = x.astype(wide(x.dtype))
+    u = jnp.where(w < lo, lo, jnp.where(w > hi, hi, w))
+    k = _reference_round((u - lo) * (n / (hi - lo)))
+    return (lo + (hi - lo) * (k / n)).astype(x.dtype)
+
+
+def _quantizer_kinks(bits: int, lo: float, hi: float) -> tuple[float, ...]:
+    """The range's ends, where the mask jumps, then the ties between levels (where
+    rounding goes to even), the central ones first."""
+    n = 2**bits - 1
+    ties = [lo + (k + 0.5) * (hi - lo) / n for k in range(n)]
+    return (lo, hi, *sorted(ties, key=lambda t: abs(t - (lo + hi) / 2)))
+
+
+class SteRound(_Elementwise):
+    r"""Rounding with the identity derivative.
+
+    $$q = \operatorname{round}(x), \qquad \dot q = t$$
+
+    `round` is `jnp.round`: halves go to the even neighbour ($0.5 \to 0$,
+    $1.5 \to 2$).
+
+    **Arguments:** none.
+
+    !!! Example
+
+        ```python
+        eqxrules.ste_round(jnp.array([0.5, 1.5, 2.2]))  # [0, 2, 2]
+        ```
+    """
+
+    summary: ClassVar[str] = "`jnp.round(x)` (half to even); derivative `t`"
+
+    def kinks(self) -> tuple[float, ...]:
+        return (-1.5, -0.5, 0.5, 1.5)
+
+    def primal(self, x: Array) -> Array:
+        return jnp.round(x)
+
+    def slope(self, x: Array) -> None:
+        return None
+
+    def reference_forward(self, x: Array) -> Array:
+        return _reference_round(x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        return x
+
+
+class SteQuantize(_Elementwise):
+    r"""Uniform quantisation onto $2^b$ levels from `lo` to `hi`, with the
+    straight-through estimator inside the range.
+
+    $$n = 2^b - 1, \qquad
+    q = \mathrm{lo} + (\mathrm{hi} - \mathrm{lo}) \cdot
+    \frac{\operatorname{round}\!\big(n\,(\operatorname{clip}(x, \mathrm{lo},
+    \mathrm{hi}) - \mathrm{lo}) / (\mathrm{hi} - \mathrm{lo})\big)}{n}, \qquad
+    \dot q = t \cdot [\mathrm{lo} \le x \le \mathrm{hi}]$$
+
+    **Arguments:**
+
+    - `bits`: an integer $b \ge 1$.
+    - `lo`, `hi`: the lowest and highest level, finite, `lo < hi`.
+
+    !!! Example
+
+        ```python
+        eqxrules.ste_quantize(jnp.array([-2.0, 0.1, 0.4]), bits=2)  # [-1, 1/3, 1/3]
+        ```
+    """
+
+    bits: int = hyperparameter(8, at_least(1, integer))
+    lo: float = hyperparameter(-1.0, finite)
+    hi: float = hyperparameter(1.0, greater_than("lo"))
+
+    summary: ClassVar[str] = (
+        "uniform quantisation of clip(x, lo, hi) onto 2^bits levels; derivative "
+        "`t·[lo <= x <= hi]`"
+    )
+
+    def kinks(self) -> tuple[float, ...]:
+        return _quantizer_kinks(self.bits, self.lo, self.hi)
+
+    def primal(self, x: Array) -> Array:
+        return _quantize(x, self.bits, float(self.lo), float(self.hi), self.slope(x))
+
+    def slope(self, x: Array) -> Array:
+        return (x >= self.lo) & (x <= self.hi)
+
+    def reference_forward(self, x: Array) -> Array:
+        return _reference_quantize(x, self.bits, float(self.lo), float(self.hi))
+
+    def reference_derivative(self, x: Array) -> Array:
+        return masked_identity(x, (x >= self.lo) & (x <= self.hi))
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[SteQuantize]:
+        return [cls(), cls(bits=2, lo=-0.5, hi=1.5)]
+
+
+class DoReFa(_Elementwise):
+    r"""The DoReFa-Net quantiser (Zhou et al., 2016): $2^b$ levels on $[0, 1]$.
+
+    $$n = 2^b - 1, \qquad q = \operatorname{round}(n \operatorname{clip}(x, 0, 1)) / n,
+    \qquad \dot q = t \cdot [0 \le x \le 1]$$
+
+    **Arguments:**
+
+    - `bits`: an integer $b \ge 1$.
+
+    !!! Example
+
+        ```python
+        eqxrules.dorefa_quantize(jnp.array([-0.5, 0.4, 2.0]))  # [0, 1/3, 1]
+        ```
+    """
+
+    bits: int = hyperparameter(2, at_least(1, integer))
+
+    summary: ClassVar[str] = (
+        "round(clip(x, 0, 1)·n)/n with n = 2^bits − 1; derivative `t·[0 <= x <= 1]`"
+    )
+    domain: ClassVar[Domain] = Domain(low=-1.0, high=2.0)
+    functional_name: ClassVar[str] = "dorefa_quantize"
+
+    def kinks(self) -> tuple[float, ...]:
+        return _quantizer_kinks(self.bits, 0.0, 1.0)
+
+    def primal(self, x: Array) -> Array:
+        return _quantize(x, self.bits, 0.0, 1.0, self.slope(x))
+
+    def slope(self, x: Array) -> Array:
+        return (x >= 0) & (x <= 1)
+
+    def reference_forward(self, x: Array) -> Array:
+        return _reference_quantize(x, self.bits, 0.0, 1.0)
+
+    def reference_derivative(self, x: Array) -> Array:
+        return masked_identity(x, (x >= 0) & (x <= 1))
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[DoReFa]:
+        return [cls(), cls(bits=1)]
+
+
+class StochasticRound(_Elementwise):
+    r"""Stochastic rounding, unbiased, with the identity derivative. Called as
+    `m(x, key=key)`.
+
+    $$q = \lfloor x + u \rfloor,\ u \sim U[0, 1), \qquad
+    \mathbb{E}[q] = x, \qquad \dot q = t$$
+
+    The value is computed in at least float32 and cast to the input's dtype.
+
+    **Arguments:** none. At call: `key`, a PRNG key.
+
+    !!! Example
+
+        ```python
+        q = eqxrules.stochastic_round(jnp.full(1000, 0.25), jax.random.key(0))
+        q.mean()  # about 0.25
+        ```
+    """
+
+    summary: ClassVar[str] = "floor(x + u), u ~ U[0, 1) (so E[q] = x); derivative `t`"
+
+    def kinks(self) -> tuple[float, ...]:
+        return (-1.0, 0.0, 1.0)
+
+    def primal(self, x: Array, *, key: PRNGKeyArray) -> Array:
+        w = wide(x.dtype)
+        u = jax.random.uniform(key, x.shape, w)
+        return jnp.floor(x.astype(w) + u).astype(x.dtype)
+
+    def slope(self, x: Array) -> None:
+        return None
+
+    def reference_forward(self, x: Array, *, key: PRNGKeyArray) -> Array:
+        w = wide(x.dtype)
+        v = x.astype(w) + jax.random.uniform(key, x.shape, w)
+        c = jnp.ceil(v)
+        return jnp.where(c == v, c, c - 1).astype(x.dtype)
+
+    def reference_derivative(self, x: Array, *, key: PRNGKeyArray) -> Array:
+        return x

@@ -1,0 +1,382 @@
+r"""Binarisers and ternarisers: a step function forward (sign, Heaviside, ternary), a
+surrogate derivative backward, exact at every boundary. (Notation: see
+`_elementwise`.)"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from .._catalogue import JVPRule, check_float_array
+from .._hyper import hyperparameter, non_negative, positive
+from ._elementwise import (
+    _Elementwise,
+    clip_kinks,
+    masked_identity,
+    reference_sign,
+    sg,
+    sign,
+    wide,
+)
+
+
+class SteSign(_Elementwise):
+    r"""Sign with the straight-through estimator: the workhorse of binarised networks.
+
+    $$q = \operatorname{sign}(x), \qquad
+    \dot q = t \cdot [\lvert x \rvert \le c]$$
+
+    with $c$ = `clip_value`, inclusive at $\pm c$ (the `stop_gradient` trick built on
+    `jnp.clip` gives half the gradient there). With `clip_value=None` the derivative
+    is $t$ everywhere. Note $\operatorname{sign}(0) = +1$: outputs are only $\pm 1$,
+    and NaN for a NaN input.
+
+    **Arguments:**
+
+    - `clip_value`: a non-negative number, or `None` for no clipping.
+
+    !!! Example
+
+        ```python
+        q = eqxrules.SteSign()(jnp.array([-2.0, -1.0, 0.0, 0.5]))  # [-1, -1, 1, 1]
+        g = jax.grad(lambda x: eqxrules.ste_sign(x).sum())(jnp.array([1.0, 1.5]))
+        # [1, 0]: abs(x) <= 1 passes the gradient, inclusive at the boundary
+        ```
+    """
+
+    clip_value: float | None = hyperparameter(1.0, non_negative, allow_none=True)
+
+    summary: ClassVar[str] = (
+        "sign(x) (sign(0) = +1); derivative `t·[|x| <= clip_value]`, inclusive"
+    )
+
+    def kinks(self) -> tuple[float, ...]:
+        return (0.0, *clip_kinks(self.clip_value))
+
+    def primal(self, x: Array) -> Array:
+        return sign(x)
+
+    def slope(self, x: Array) -> Array | None:
+        return None if self.clip_value is None else jnp.abs(x) <= self.clip_value
+
+    def reference_forward(self, x: Array) -> Array:
+        return reference_sign(x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        if self.clip_value is None:
+            return x
+        return masked_identity(x, jnp.abs(x) <= self.clip_value)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[SteSign]:
+        return [cls(), cls(clip_value=0.5), cls(clip_value=None)]
+
+
+class ApproxSign(_Elementwise):
+    r"""Sign with the piecewise-polynomial derivative of Bi-Real Net (Liu et al.,
+    2018): the derivative of a quadratic approximation of the sign.
+
+    $$q = \operatorname{sign}(x), \qquad
+    \dot q = t \cdot (2 - 2\lvert x \rvert) \cdot [\lvert x \rvert \le 1]$$
+
+    **Arguments:** none.
+
+    !!! Example
+
+        ```python
+        g = jax.vmap(jax.grad(eqxrules.approx_sign))(jnp.array([0.0, 0.5, 1.0]))
+        # [2, 1, 0]
+        ```
+    """
+
+    summary: ClassVar[str] = (
+        "sign(x); derivative `t·(2 − 2|x|)·[|x| <= 1]` (Bi-Real Net)"
+    )
+
+    def kinks(self) -> tuple[float, ...]:
+        return (-1.0, 0.0, 1.0)
+
+    def primal(self, x: Array) -> Array:
+        return sign(x)
+
+    def slope(self, x: Array) -> Array:
+        a = jnp.abs(x)
+        return jnp.where(a <= 1, 2 - 2 * a, jnp.zeros_like(x))
+
+    def reference_forward(self, x: Array) -> Array:
+        return reference_sign(x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        # d/dx (2x - x|x|) = 2 - 2|x|. Outside [-1, 1] (NaN and inf included) the
+        # polynomial sees 0, so its derivative there is never `0 * inf`.
+        u = jnp.where(jnp.abs(x) <= 1, x, jnp.zeros_like(x))
+        return 2 * u - u * jnp.abs(u)
+
+
+class SwishSign(_Elementwise):
+    r"""Sign with the derivative of the SignSwish function (Darabi et al., 2018): a
+    smooth surrogate whose sharpness is set by $\beta$.
+
+    $$q = \operatorname{sign}(x), \qquad
+    \dot q = t \cdot \frac{\beta\,(2 - \beta x \tanh(\beta x / 2))}
+    {1 + \cosh(\beta x)}$$
+
+    That is the derivative of $2\sigma(\beta x)(1 + \beta x(1 - \sigma(\beta x))) - 1$.
+
+    **Arguments:**
+
+    - `beta`: a positive number, $\beta$.
+
+    !!! Example
+
+        ```python
+        g = jax.grad(eqxrules.swish_sign)(jnp.array(0.0))  # beta = 5.0
+        ```
+    """
+
+    beta: float = hyperparameter(5.0, positive)
+
+    summary: ClassVar[str] = (
+        "sign(x); derivative `t·β(2 − βx·tanh(βx/2)) / (1 + cosh(βx))` (SignSwish)"
+    )
+
+    def kinks(self) -> tuple[float, ...]:
+        return (0.0,)
+
+    def primal(self, x: Array) -> Array:
+        return sign(x)
+
+    def slope(self, x: Array) -> Array:
+        b = float(self.beta)
+        # Clamped to the largest finite number, so that at +-inf the ratio is
+        # finite / inf = 0 (its limit), not -inf / inf = NaN.
+        big = float(jnp.finfo(x.dtype).max)
+        bx = jnp.clip(b * x, -big, big)
+        return b * ((2 - bx * jnp.tanh(bx / 2)) / (1 + jnp.cosh(bx)))
+
+    def reference_forward(self, x: Array) -> Array:
+        return reference_sign(x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        # In float32 at least: in float16 the derivative is wrong, even in sign, for
+        # |x| above about 1.1 (beta = 5). 1 - sigma(y) is sigma(-y), so autodiff
+        # neither cancels nor overflows for large |y|. At +-inf, where `y * (1 -
+        # sigma(y))` is inf * 0, the derivative is 0 (its limit): `y` is cut from
+        # `x` there.
+        w = x.astype(wide(x.dtype))
+        y = self.beta * jnp.where(jnp.isinf(w), sg(w), w)
+        s, s_minus = jax.nn.sigmoid(y), jax.nn.sigmoid(-y)
+        return (2 * s * (1 + y * s_minus) - 1).astype(x.dtype)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[SwishSign]:
+        return [cls(), cls(beta=1.5)]
+
+
+def _magnitude(x: Array) -> Array:
+    """`mean(abs(x))` over all axes but the last, kept for broadcasting."""
+    return jnp.mean(jnp.abs(x), axis=tuple(range(x.ndim - 1)), keepdims=True)
+
+
+class MagnitudeAwareSign(JVPRule):
+    r"""Sign scaled by the mean magnitude, as in Bi-Real Net's weight binarisation:
+    the scale is per output channel (the last axis) and is not differentiated.
+
+    $$\alpha = \operatorname{stop\_gradient}(\operatorname{mean}\lvert x \rvert)
+    \text{ over all axes but the last}, \qquad
+    q = \alpha \operatorname{sign}(x), \qquad
+    \dot q = \alpha \cdot t \cdot [\lvert x \rvert \le c]$$
+
+    A 1-D input has no axis to average over, so $\alpha = \lvert x \rvert$ elementwise
+    (as in larq). Not elementwise: takes one floating-point array.
+
+    **Arguments:**
+
+    - `clip_value`: a non-negative number, $c$.
+
+    !!! Example
+
+        ```python
+        w = jnp.array([[0.5, -2.0], [-0.5, 1.0]])
+        eqxrules.magnitude_aware_sign(w)  # [[0.5, -1.5], [-0.5, 1.5]]
+        ```
+    """
+
+    clip_value: float = hyperparameter(1.0, non_negative)
+
+    summary: ClassVar[str] = (
+        "stop_gradient(mean |x| over all axes but the last)·sign(x); derivative "
+        "that scale·`t·[|x| <= clip_value]`"
+    )
+    elementwise: ClassVar[bool] = False
+
+    def kinks(self) -> tuple[float, ...]:
+        return (0.0, *clip_kinks(self.clip_value))
+
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        check_float_array(self.rule_name(), args)
+
+    def primal(self, x: Array) -> Array:
+        # No NaN select: the magnitude is already NaN wherever `x` is.
+        return _magnitude(x) * jnp.where(x >= 0, 1, -1).astype(x.dtype)
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        (x,) = args
+        (t,) = t_args
+        if t is None:
+            return None
+        mask = (jnp.abs(x) <= self.clip_value).astype(x.dtype)
+        return t * (_magnitude(x) * mask)
+
+    def reference_forward(self, x: Array) -> Array:
+        axes = tuple(range(x.ndim - 1))
+        scale = jnp.sum(jnp.abs(x), axis=axes, keepdims=True) / math.prod(x.shape[:-1])
+        return scale * reference_sign(x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        return sg(_magnitude(x)) * masked_identity(x, jnp.abs(x) <= self.clip_value)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[MagnitudeAwareSign]:
+        return [cls(), cls(clip_value=0.5)]
+
+
+class SteTernary(_Elementwise):
+    r"""Ternarisation with the straight-through estimator (Ternary Weight Networks).
+
+    $$q = \begin{cases} +1 & x \ge \theta \\ -1 & x \le -\theta \\ 0 & \text{else}
+    \end{cases}, \qquad \dot q = t \cdot [\lvert x \rvert \le c]$$
+
+    with $\theta$ = `threshold_value` and $c$ = `clip_value`, both inclusive. A NaN
+    input gives NaN.
+
+    **Arguments:**
+
+    - `threshold_value`: a positive number (at zero, $x = 0$ would be both $+1$ and
+        $-1$).
+    - `clip_value`: a non-negative number.
+
+    !!! Example
+
+        ```python
+        eqxrules.ste_ternary(jnp.array([-0.05, 0.0, 0.05, 0.3]))  # [-1, 0, 1, 1]
+        ```
+    """
+
+    threshold_value: float = hyperparameter(0.05, positive)
+    clip_value: float = hyperparameter(1.0, non_negative)
+
+    summary: ClassVar[str] = (
+        "+1 where x >= threshold, −1 where x <= −threshold, else 0; derivative "
+        "`t·[|x| <= clip_value]`"
+    )
+
+    def kinks(self) -> tuple[float, ...]:
+        th = self.threshold_value
+        return (-th, th, *clip_kinks(self.clip_value))
+
+    def primal(self, x: Array) -> Array:
+        th = self.threshold_value
+        q = jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0)).astype(x.dtype)
+        return jnp.where(jnp.isnan(x), x, q)
+
+    def slope(self, x: Array) -> Array:
+        return jnp.abs(x) <= self.clip_value
+
+    def reference_forward(self, x: Array) -> Array:
+        th = self.threshold_value
+        q = (x >= th).astype(x.dtype) - (x <= -th).astype(x.dtype)
+        return jnp.where(x == x, q, x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        return masked_identity(x, jnp.abs(x) <= self.clip_value)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[SteTernary]:
+        return [cls(), cls(threshold_value=0.5, clip_value=1.5)]
+
+
+class SteHeaviside(_Elementwise):
+    r"""The Heaviside step with the straight-through estimator: binary $\{0, 1\}$
+    activations.
+
+    $$q = [x > 0], \qquad \dot q = t \cdot [\lvert x \rvert \le c]$$
+
+    A NaN input gives NaN.
+
+    **Arguments:**
+
+    - `clip_value`: a non-negative number, $c$.
+
+    !!! Example
+
+        ```python
+        eqxrules.ste_heaviside(jnp.array([-1.0, 0.0, 0.5]))  # [0, 0, 1]
+        ```
+    """
+
+    clip_value: float = hyperparameter(1.0, non_negative)
+
+    summary: ClassVar[str] = "1 where x > 0, else 0; derivative `t·[|x| <= clip_value]`"
+
+    def kinks(self) -> tuple[float, ...]:
+        return (0.0, *clip_kinks(self.clip_value))
+
+    def primal(self, x: Array) -> Array:
+        return jnp.where(jnp.isnan(x), x, (x > 0).astype(x.dtype))
+
+    def slope(self, x: Array) -> Array:
+        return jnp.abs(x) <= self.clip_value
+
+    def reference_forward(self, x: Array) -> Array:
+        return jnp.floor((jnp.sign(x) + 1) / 2)
+
+    def reference_derivative(self, x: Array) -> Array:
+        return masked_identity(x, jnp.abs(x) <= self.clip_value)
+
+
+class QuadraticSign(_Elementwise):
+    r"""Sign with the derivative of a quadratic surrogate of width $c$ = `clip_value`
+    (positive): [`ApproxSign`][] (Bi-Real Net) is $c = 1$.
+
+    $$q = \operatorname{sign}(x), \qquad \dot q = t \cdot \tfrac{2}{c}
+    \big(1 - \tfrac{\lvert x \rvert}{c}\big) [\lvert x \rvert \le c]$$
+
+    !!! Example
+
+        ```python
+        jax.grad(eqxrules.QuadraticSign(clip_value=0.5))(jnp.array(0.25))  # 2.0
+        ```
+    """
+
+    clip_value: float = hyperparameter(1.0, positive)
+
+    summary: ClassVar[str] = (
+        "sign(x); derivative `t·(2/c)·(1 − |x|/c)·[|x| <= c]`, c = clip_value"
+    )
+
+    def kinks(self) -> tuple[float, ...]:
+        return (-self.clip_value, 0.0, self.clip_value)
+
+    def primal(self, x: Array) -> Array:
+        return sign(x)
+
+    def slope(self, x: Array) -> Array:
+        a = jnp.abs(x) / self.clip_value
+        return jnp.where(a <= 1, (2 - 2 * a) / self.clip_value, jnp.zeros_like(x))
+
+    def reference_forward(self, x: Array) -> Array:
+        return reference_sign(x)
+
+    def reference_derivative(self, x: Array) -> Array:
+        u = jnp.where(jnp.abs(x) <= self.clip_value, x, jnp.zeros_like(x))
+        return (2 * u - u * jnp.abs(u) / self.clip_value) / self.clip_value
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[QuadraticSign]:
+        return [cls(), cls(clip_value=0.5)]
