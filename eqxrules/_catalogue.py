@@ -17,8 +17,8 @@ the whole declaration:
   references that the test suite and `python -m eqxrules` check the rule against.
 
 Defining a public subclass in `eqxrules._rules` registers it in [`catalogue`][], in
-definition order, and its functional form (keyword-only hyperparameters, defaults
-from the fields) is derived from it. Rules defined elsewhere (yours) are registered
+definition order, and its functional form (hyperparameters keyword-only unless
+declared `positional=True`, defaults from the fields) is derived from it. Rules defined elsewhere (yours) are registered
 only if asked, with [`functional`][].
 """
 

@@ -181,6 +181,7 @@ class Declaration:
 
     checks: tuple[Check, ...]
     allow_none: bool
+    positional: bool = False
 
     def chain(self) -> tuple[Check, ...]:
         seen: list[Check] = []
@@ -200,7 +201,11 @@ class Declaration:
 
 
 def hyperparameter(
-    *args: Any, allow_none: bool = False, static: bool = True, **kwargs: Any
+    *args: Any,
+    allow_none: bool = False,
+    static: bool = True,
+    positional: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """Declare a hyperparameter: `hyperparameter(default, *checks)`, or
     `hyperparameter(*checks)` for one without a default.
@@ -213,6 +218,9 @@ def hyperparameter(
     - `static`: `True` (the default) for a static field: a Python value that is part
         of the pytree structure. `False` for a dynamic one, such as a wrapped
         sub-model or an array scale, whose arrays get tangents.
+    - `positional`: whether the derived functional form also takes it by position,
+        after the inputs, in field order (as 0.1.0's hand-written forms did:
+        `clip_gradient(x, -1.0, 1.0)`). New hyperparameters are keyword-only.
     """
     default = _MISSING
     if args and not isinstance(args[0], Check):
@@ -220,7 +228,7 @@ def hyperparameter(
         args = tuple(rest)
     if not args or not all(isinstance(c, Check) for c in args):
         raise TypeError("`hyperparameter`: give a default, then one or more checks.")
-    metadata = {"hyperparameter": Declaration(tuple(args), allow_none)}
+    metadata = {"hyperparameter": Declaration(tuple(args), allow_none, positional)}
     if default is not _MISSING:
         kwargs["default"] = default
     return eqx.field(static=static, metadata=metadata, **kwargs)

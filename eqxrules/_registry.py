@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from ._hyper import undeclared
+from ._hyper import declarations, undeclared
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -165,8 +165,10 @@ def functional(rule: type) -> Callable[[_F], _F]:
 
 
 def _derived_form(rule: type) -> Callable[..., Any]:
-    """`name(x, [key,] *, hyperparameters...)`: builds `rule` from the keywords
-    given (the Module's own defaults for the others) and calls it."""
+    """`name(x, [key,] positional hyperparameters..., *, hyperparameters...)`: builds
+    `rule` from the hyperparameters given (the Module's own defaults for the others)
+    and calls it. A hyperparameter is keyword-only unless declared with
+    `hyperparameter(..., positional=True)`."""
     name = functional_name(rule)
     inputs = primal_arity(rule) or ("x",)
     P = inspect.Parameter
@@ -177,18 +179,29 @@ def _derived_form(rule: type) -> Callable[..., Any]:
     elif needs_key == "optional":
         params.append(P("key", P.KEYWORD_ONLY, default=None))
     fields = [f.name for f in dataclasses.fields(rule)]
+    declared = declarations(rule)
     for f in dataclasses.fields(rule):
         default = P.empty if f.default is dataclasses.MISSING else f.default
-        params.append(P(f.name, P.KEYWORD_ONLY, default=default, annotation=f.type))
-    signature = inspect.Signature(params)
+        by_position = f.name in declared and declared[f.name].positional
+        kind = P.POSITIONAL_OR_KEYWORD if by_position else P.KEYWORD_ONLY
+        params.append(P(f.name, kind, default=default, annotation=f.type))
+    try:
+        signature = inspect.Signature(params)
+    except ValueError as e:
+        raise TypeError(
+            f"`{rule.__name__}`: its `positional=True` hyperparameters must come "
+            f"first among its fields, each without a default after one with: {e}."
+        ) from None
+    by_keyword = any(p.kind is P.KEYWORD_ONLY for p in params)
+    convention = "; hyperparameters after `*` by keyword" if by_keyword else ""
 
     def fn(*args: Any, **kwargs: Any) -> Any:
         try:
             given = signature.bind(*args, **kwargs).arguments
         except TypeError as e:
             raise TypeError(
-                f"`{name}`: {e} (it is called as `{name}{_bare(signature)}`: "
-                "hyperparameters by keyword)."
+                f"`{name}`: {e} (it is called as `{name}{_bare(signature)}`"
+                f"{convention})."
             ) from None
         module = rule(**{f: given[f] for f in fields if f in given})
         key = {"key": given["key"]} if "key" in given else {}

@@ -25,6 +25,7 @@ from conftest import ENTRIES, KEY, example_cases, examples
 from hypothesis import given, strategies as st
 
 import eqxrules
+from eqxrules._hyper import declarations
 from eqxrules._registry import missing_parts
 from eqxrules._verify import verify
 from eqxrules.testing import strategies
@@ -144,15 +145,17 @@ def test_a_user_rule_joins_the_catalogue_only_when_asked():
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_functional_form_states_no_default_of_its_own(entry):
     """Defaults are stated once, on the fields: every static hyperparameter is a
-    keyword-only parameter of the functional form with the field's default (or
-    none), and its docstring is the rule's `summary`."""
+    parameter of the functional form with the field's default (or none),
+    keyword-only unless declared `positional=True`, and its docstring is the rule's `summary`."""
     params = inspect.signature(entry.function).parameters
     for f in dataclasses.fields(entry.module):  # type: ignore[arg-type]
         if not f.metadata.get("static", False):
             continue
         assert f.name in params, (entry.name, f.name)
         p = params[f.name]
-        assert p.kind is p.KEYWORD_ONLY, (entry.name, f.name, p.kind)
+        by_position = declarations(entry.module)[f.name].positional
+        kind = p.POSITIONAL_OR_KEYWORD if by_position else p.KEYWORD_ONLY
+        assert p.kind is kind, (entry.name, f.name, p.kind)
         default = p.empty if f.default is dataclasses.MISSING else f.default
         assert p.default == default, (entry.name, f.name, p.default, default)
     assert entry.summary and entry.summary in (entry.function.__doc__ or "")

@@ -182,13 +182,75 @@ def test_hyperparameter_traced_under_jit():
     _assert_names(str(info.value), _names(eqxrules.SteSign), "`clip_value`", "Trace")
 
 
-def test_hyperparameters_by_position_name_the_calling_convention():
-    """Functional forms take hyperparameters by keyword only: a positional one is a
-    `TypeError` that shows how to call the rule."""
-    _require("ste_sign")
+def _positional(fn: Any) -> list[str]:
+    P = inspect.Parameter
+    kinds = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+    return [
+        p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds
+    ]
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_too_many_positional_arguments_show_the_call(entry):
+    """One positional argument more than a functional form takes is a `TypeError`
+    that names the form (a derived form also shows how it is called)."""
+    args = [None] * (len(_positional(entry.function)) + 1)
     with pytest.raises(TypeError) as info:
-        eqxrules.ste_sign(jnp.ones(3), 0.5)  # type: ignore[misc]
-    _assert_names(str(info.value), ["ste_sign"], "clip_value=1.0", "by keyword")
+        entry.function(*args)
+    assert entry.name in str(info.value), str(info.value)
+
+
+def _fields(entry: eqxrules.Entry) -> set[str]:
+    return {f.name for f in dataclasses.fields(entry.module)}
+
+
+BY_POSITION = [e for e in ENTRIES if set(_positional(e.function)) & _fields(e)]
+
+
+def _value_and_vjp(f: Any, x: Any) -> Any:
+    out, pull = jax.vjp(f, x)
+    return out, pull(jtu.tree_map(lambda o: jnp.full_like(o, 3.0), out))
+
+
+def _positional_matches_keywords(function: Any, entry: eqxrules.Entry) -> None:
+    x = jnp.asarray(_sample(entry))
+    fields = _fields(entry)
+    names = _positional(function)
+    for rule in _examples(entry):
+        hyper = {f: getattr(rule, f) for f in fields}
+        values = {"key": CALL_KEY, **hyper}
+        rest = {f: hyper[f] for f in fields - set(names)}
+
+        def by_position(x, rule=rule):
+            return function(*[values.get(n, x) for n in names], **rest)
+
+        def by_keyword(x):
+            inputs = {n: values.get(n, x) for n in names if n not in fields}
+            return entry.function(**inputs, **hyper)
+
+        actual, expected = _value_and_vjp(by_position, x), _value_and_vjp(by_keyword, x)
+        _assert_same(actual, expected, f"{entry.name} by position")
+
+
+@pytest.mark.parametrize("entry", BY_POSITION, ids=lambda e: e.name)
+def test_hyperparameters_by_position_are_the_keywords(entry):
+    """A hyperparameter declared `positional=True` (0.1.0's calling convention,
+    `clip_gradient(x, -1.0, 1.0)`) means the same by position as by keyword, in
+    value and gradient, for every example's values."""
+    _positional_matches_keywords(entry.function, entry)
+
+
+def test_positional_hyperparameters_can_fail():
+    """Planted defect: a form that reads its positional `lo` and `hi` the wrong
+    way round is caught by the comparison above."""
+    _require("clip_gradient")
+    entry = next(e for e in ENTRIES if e.name == "clip_gradient")
+
+    def swapped(x, lo, hi):
+        return eqxrules.clip_gradient(x, lo=-hi, hi=-lo * 0.5)
+
+    with pytest.raises(AssertionError):
+        _positional_matches_keywords(swapped, entry)
 
 
 # --------------------------------------------------------------------------------

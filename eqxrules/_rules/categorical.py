@@ -76,7 +76,7 @@ class StraightThroughOneHot(_Categorical):
         ```
     """
 
-    axis: int = hyperparameter(-1, axis_index)
+    axis: int = hyperparameter(-1, axis_index, positional=True)
 
     summary: ClassVar[str] = (
         "one_hot(argmax(logits)); derivative that of softmax(logits)"
@@ -133,9 +133,9 @@ class GumbelSoftmax(_Categorical):
         ```
     """
 
-    tau: float = hyperparameter(1.0, positive)
-    hard: bool = hyperparameter(True, boolean)
-    axis: int = hyperparameter(-1, axis_index)
+    tau: float = hyperparameter(1.0, positive, positional=True)
+    hard: bool = hyperparameter(True, boolean, positional=True)
+    axis: int = hyperparameter(-1, axis_index, positional=True)
 
     summary: ClassVar[str] = (
         "hard: one-hot of the Gumbel-perturbed argmax, soft: softmax((logits + g)/τ);"

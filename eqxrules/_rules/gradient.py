@@ -44,7 +44,7 @@ class GradientReversal(PytreeRule):
         ```
     """
 
-    scale: float = hyperparameter(1.0, finite)
+    scale: float = hyperparameter(1.0, finite, positional=True)
 
     summary: ClassVar[str] = (
         "identity with derivative `-scale * t` (forward and reverse)"
@@ -90,7 +90,7 @@ class GradientScale(PytreeRule):
         allowed: `scale=0` is [`Detach`][], `scale=-1` is [`GradientReversal`][]).
     """
 
-    scale: float = hyperparameter(finite)
+    scale: float = hyperparameter(finite, positional=True)
 
     summary: ClassVar[str] = (
         "identity with derivative `scale * t` (forward and reverse)"
@@ -166,8 +166,8 @@ class ClipGradient(_CotangentRule):
         affect the loss would send gradient back.
     """
 
-    lo: float = hyperparameter(at_most(0, _ZERO_STAYS_ZERO))
-    hi: float = hyperparameter(at_least_zero(_ZERO_STAYS_ZERO))
+    lo: float = hyperparameter(at_most(0, _ZERO_STAYS_ZERO), positional=True)
+    hi: float = hyperparameter(at_least_zero(_ZERO_STAYS_ZERO), positional=True)
 
     summary: ClassVar[str] = "identity; cotangent clipped elementwise to `[lo, hi]`"
 
@@ -212,7 +212,7 @@ class ClipGradientNorm(_CotangentRule):
     - `max_norm`: a finite, positive number.
     """
 
-    max_norm: float = hyperparameter(positive)
+    max_norm: float = hyperparameter(positive, positional=True)
 
     summary: ClassVar[str] = "identity; cotangent rescaled to global norm <= `max_norm`"
 

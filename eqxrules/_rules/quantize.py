@@ -109,9 +109,9 @@ class SteQuantize(_Elementwise):
         ```
     """
 
-    bits: int = hyperparameter(8, at_least(1, integer))
-    lo: float = hyperparameter(-1.0, finite)
-    hi: float = hyperparameter(1.0, greater_than("lo"))
+    bits: int = hyperparameter(8, at_least(1, integer), positional=True)
+    lo: float = hyperparameter(-1.0, finite, positional=True)
+    hi: float = hyperparameter(1.0, greater_than("lo"), positional=True)
 
     summary: ClassVar[str] = (
         "uniform quantisation of clip(x, lo, hi) onto 2^bits levels; derivative "
@@ -155,7 +155,7 @@ class DoReFa(_Elementwise):
         ```
     """
 
-    bits: int = hyperparameter(2, at_least(1, integer))
+    bits: int = hyperparameter(2, at_least(1, integer), positional=True)
 
     summary: ClassVar[str] = (
         "round(clip(x, 0, 1)·n)/n with n = 2^bits − 1; derivative `t·[0 <= x <= 1]`"

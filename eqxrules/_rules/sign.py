@@ -49,7 +49,9 @@ class SteSign(_Elementwise):
         ```
     """
 
-    clip_value: float | None = hyperparameter(1.0, non_negative, allow_none=True)
+    clip_value: float | None = hyperparameter(
+        1.0, non_negative, allow_none=True, positional=True
+    )
 
     summary: ClassVar[str] = (
         "sign(x) (sign(0) = +1); derivative `t·[|x| <= clip_value]`, inclusive"
@@ -139,7 +141,7 @@ class SwishSign(_Elementwise):
         ```
     """
 
-    beta: float = hyperparameter(5.0, positive)
+    beta: float = hyperparameter(5.0, positive, positional=True)
 
     summary: ClassVar[str] = (
         "sign(x); derivative `t·β(2 − βx·tanh(βx/2)) / (1 + cosh(βx))` (SignSwish)"
@@ -207,7 +209,7 @@ class MagnitudeAwareSign(JVPRule):
         ```
     """
 
-    clip_value: float = hyperparameter(1.0, non_negative)
+    clip_value: float = hyperparameter(1.0, non_negative, positional=True)
 
     summary: ClassVar[str] = (
         "stop_gradient(mean |x| over all axes but the last)·sign(x); derivative "
@@ -268,8 +270,8 @@ class SteTernary(_Elementwise):
         ```
     """
 
-    threshold_value: float = hyperparameter(0.05, positive)
-    clip_value: float = hyperparameter(1.0, non_negative)
+    threshold_value: float = hyperparameter(0.05, positive, positional=True)
+    clip_value: float = hyperparameter(1.0, non_negative, positional=True)
 
     summary: ClassVar[str] = (
         "+1 where x >= threshold, −1 where x <= −threshold, else 0; derivative "
@@ -320,7 +322,7 @@ class SteHeaviside(_Elementwise):
         ```
     """
 
-    clip_value: float = hyperparameter(1.0, non_negative)
+    clip_value: float = hyperparameter(1.0, non_negative, positional=True)
 
     summary: ClassVar[str] = "1 where x > 0, else 0; derivative `t·[|x| <= clip_value]`"
 
