@@ -148,11 +148,12 @@ def functional(rule: type) -> Callable[[_F], _F]:
     """
 
     def decorator(fn: _F) -> _F:
-        existing = rule.__dict__.get("function")
-        if existing is not None:
+        if rule.__dict__.get("function") is not None:
+            # Read through the class: Equinox < 0.12 keeps a method wrapper in
+            # `__dict__`, which has no `__name__`.
             raise ValueError(
                 f"`{rule.__name__}` already has a functional form "
-                f"`{existing.__name__}`."
+                f"`{rule.function.__name__}`."
             )
         if not fn.__doc__:
             fn.__doc__ = _describe_form(rule, fn)

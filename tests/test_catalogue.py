@@ -54,8 +54,12 @@ def test_catalogue_is_not_empty_and_names_are_unique():
 
 def _public_rule_classes(cls=eqxrules.Rule):
     for sub in cls.__subclasses__():
+        # Equinox < 0.12 also makes an "initable" copy of each Module class, with its
+        # name and module: only the class its module defines under that name counts.
+        defined = getattr(sys.modules[sub.__module__], sub.__name__, None) is sub
         if sub.__module__.startswith("eqxrules.") and not sub.__name__.startswith("_"):
-            yield sub
+            if defined:
+                yield sub
         yield from _public_rule_classes(sub)
 
 

@@ -884,10 +884,11 @@ def _tracing(case: Case, dtype: str) -> None:
     jaxpr = jax.make_jaxpr(F)(d)
     # Equinox before 0.13.5 builds `filter_custom_vjp` on a `custom_jvp` wrapper, so
     # a reverse-only rule may trace as either; a forward-mode rule never as a VJP.
+    # JAX before 0.7 names a traced custom VJP `custom_vjp_call_jaxpr`.
     calls_ok = (
         ("custom_jvp_call",)
         if case.entry.forward_mode
-        else ("custom_vjp_call", "custom_jvp_call")
+        else ("custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
     )
     # Equinox 0.13.8 also marks a custom VJP's non-differentiable inputs (here
     # none) with a `custom_jvp` of its own: a call of nothing, not a rule call.
