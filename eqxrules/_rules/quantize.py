@@ -12,8 +12,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
 from .._catalogue import Domain
-from .._hyper import at_least, finite, greater_than, hyperparameter, integer
+from .._hyper import (
+    Check,
+    at_least,
+    at_most,
+    finite,
+    greater_than,
+    hyperparameter,
+    integer,
+)
 from ._elementwise import _Elementwise, masked_identity, wide
+from ._exact import MAX_BITS, ge, le, quantize, reference_quantize, resolvable
 
 
 def _reference_round(x: Array) -> Array:
@@ -24,24 +33,19 @@ def _reference_round(x: Array) -> Array:
     return jnp.where(d > 0.5, f + 1, jnp.where(d < 0.5, f, jnp.where(even, f, f + 1)))
 
 
-def _quantize(x: Array, bits: int, lo: float, hi: float, inside: Array) -> Array:
-    """`2**bits` levels from `lo` to `hi`. `inside` is `[lo <= x <= hi]`: the value
-    selects with it, so XLA computes it once, in the forward pass, and keeps that
-    boolean for the backward pass (which masks with it) instead of keeping `x`
-    alive to compute it again."""
-    n = 2**bits - 1
-    w = x.astype(wide(x.dtype))
-    u = jnp.where(inside, w, jnp.clip(w, lo, hi))
-    k = jnp.round((u - lo) * (n / (hi - lo)))
-    return (lo + (hi - lo) * (k / n)).astype(x.dtype)
-
-
-def _reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
-    n = 2**bits - 1
-    w = x.astype(wide(x.dtype))
-    u = jnp.where(w < lo, lo, jnp.where(w > hi, hi, w))
-    k = _reference_round((u - lo) * (n / (hi - lo)))
-    return (lo + (hi - lo) * (k / n)).astype(x.dtype)
+_AT_MOST_16 = at_most(
+    MAX_BITS, " (the exact grid is a constant table of 2^bits levels)"
+)
+_RESOLVED = Check(
+    lambda m: (
+        f"leave grid steps that float32 resolves, with `bits` (={m.bits!r}) and "
+        f"`lo` (={m.lo!r}): (hi - lo)/(2^bits - 1) must be more than a few float32 "
+        "steps of max(|lo|, |hi|)"
+    ),
+    lambda v, m: resolvable(m.bits, m.lo, v),
+    bad=lambda m: (m.lo + max(abs(m.lo), 1.0) * 2.0**-30,),
+    after=(greater_than("lo"),),
+)
 
 
 def _quantizer_kinks(bits: int, lo: float, hi: float) -> tuple[float, ...]:
@@ -109,9 +113,9 @@ class SteQuantize(_Elementwise):
         ```
     """
 
-    bits: int = hyperparameter(8, at_least(1, integer))
+    bits: int = hyperparameter(8, at_least(1, integer), _AT_MOST_16)
     lo: float = hyperparameter(-1.0, finite)
-    hi: float = hyperparameter(1.0, greater_than("lo"))
+    hi: float = hyperparameter(1.0, _RESOLVED)
 
     summary: ClassVar[str] = (
         "uniform quantisation of clip(x, lo, hi) onto 2^bits levels; derivative "
@@ -122,16 +126,16 @@ class SteQuantize(_Elementwise):
         return _quantizer_kinks(self.bits, self.lo, self.hi)
 
     def primal(self, x: Array) -> Array:
-        return _quantize(x, self.bits, float(self.lo), float(self.hi), self.slope(x))
+        return quantize(x, self.bits, self.lo, self.hi, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return (x >= self.lo) & (x <= self.hi)
+        return ge(x, self.lo) & le(x, self.hi)
 
     def reference_forward(self, x: Array) -> Array:
-        return _reference_quantize(x, self.bits, float(self.lo), float(self.hi))
+        return reference_quantize(x, self.bits, self.lo, self.hi)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, (x >= self.lo) & (x <= self.hi))
+        return masked_identity(x, ge(x, self.lo) & le(x, self.hi))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteQuantize]:
@@ -155,7 +159,7 @@ class DoReFa(_Elementwise):
         ```
     """
 
-    bits: int = hyperparameter(2, at_least(1, integer))
+    bits: int = hyperparameter(2, at_least(1, integer), _AT_MOST_16)
 
     summary: ClassVar[str] = (
         "round(clip(x, 0, 1)·n)/n with n = 2^bits − 1; derivative `t·[0 <= x <= 1]`"
@@ -167,16 +171,16 @@ class DoReFa(_Elementwise):
         return _quantizer_kinks(self.bits, 0.0, 1.0)
 
     def primal(self, x: Array) -> Array:
-        return _quantize(x, self.bits, 0.0, 1.0, self.slope(x))
+        return quantize(x, self.bits, 0.0, 1.0, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return (x >= 0) & (x <= 1)
+        return ge(x, 0.0) & le(x, 1.0)
 
     def reference_forward(self, x: Array) -> Array:
-        return _reference_quantize(x, self.bits, 0.0, 1.0)
+        return reference_quantize(x, self.bits, 0.0, 1.0)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, (x >= 0) & (x <= 1))
+        return masked_identity(x, ge(x, 0.0) & le(x, 1.0))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[DoReFa]:
