@@ -32,7 +32,9 @@ sg = jax.lax.stop_gradient
 class _Elementwise(JVPRule):
     """An elementwise rule whose tangent is `t · slope(x)`, in the input's dtype.
     `slope` may return a boolean mask (the tangent is `t` where it holds, else 0),
-    an array of slopes, or `None` for the identity (`t` passes through)."""
+    an array of slopes, or `None` for the identity (`t` passes through). Where the
+    slope is 0 (or the mask false) the tangent is selected to be exactly 0, never
+    multiplied: an inf or NaN incoming tangent or cotangent there gives 0."""
 
     def slope(self, x: Array) -> Array | None:
         raise NotImplementedError
@@ -47,7 +49,9 @@ class _Elementwise(JVPRule):
             return t
         if s.dtype == jnp.bool_:
             return jnp.where(s, t, jnp.zeros_like(t))
-        return t * s
+        # Selected, not multiplied, where the slope is 0: an inf or NaN tangent
+        # there gives 0, not `0 * inf`.
+        return jnp.where(s == 0, jnp.zeros_like(t), t * s)
 
 
 def wide(dtype: Any) -> Any:

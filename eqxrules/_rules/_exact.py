@@ -188,9 +188,9 @@ def reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
 def ge(x: Array, c: float) -> Array:
     """`x >= c` for the exact number `c`, whatever `x`'s dtype (comparing with `c`
     rounded to that dtype would be wrong between `c` and its rounding)."""
-    return x >= round_to(Fraction(c), x.dtype, "up")
+    return x >= round_to(Fraction(float(c)), x.dtype, "up")
 
 
 def le(x: Array, c: float) -> Array:
     """`x <= c` for the exact number `c`, whatever `x`'s dtype."""
-    return x <= round_to(Fraction(c), x.dtype, "down")
+    return x <= round_to(Fraction(float(c)), x.dtype, "down")
