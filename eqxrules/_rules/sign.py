@@ -23,7 +23,6 @@ from ._elementwise import (
     sign,
     wide,
 )
-from ._exact import ge, le
 
 
 class SteSign(_Elementwise):
@@ -63,7 +62,7 @@ class SteSign(_Elementwise):
         return sign(x)
 
     def slope(self, x: Array) -> Array | None:
-        return None if self.clip_value is None else le(jnp.abs(x), self.clip_value)
+        return None if self.clip_value is None else jnp.abs(x) <= self.clip_value
 
     def reference_forward(self, x: Array) -> Array:
         return reference_sign(x)
@@ -71,7 +70,7 @@ class SteSign(_Elementwise):
     def reference_derivative(self, x: Array) -> Array:
         if self.clip_value is None:
             return x
-        return masked_identity(x, le(jnp.abs(x), self.clip_value))
+        return masked_identity(x, jnp.abs(x) <= self.clip_value)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteSign]:
@@ -234,7 +233,7 @@ class MagnitudeAwareSign(JVPRule):
         # Selected, not multiplied: where the mask is 0 the tangent is exactly 0,
         # even where the scale is inf or NaN (a non-finite element in the channel)
         # or `t` is.
-        mask = le(jnp.abs(x), self.clip_value)
+        mask = jnp.abs(x) <= self.clip_value
         return jnp.where(mask, t * _magnitude(x), jnp.zeros_like(t))
 
     def reference_forward(self, x: Array) -> Array:
@@ -243,7 +242,7 @@ class MagnitudeAwareSign(JVPRule):
         return scale * reference_sign(x)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(sg(_magnitude(x)) * x, le(jnp.abs(x), self.clip_value))
+        return masked_identity(sg(_magnitude(x)) * x, jnp.abs(x) <= self.clip_value)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[MagnitudeAwareSign]:
@@ -286,19 +285,19 @@ class SteTernary(_Elementwise):
 
     def primal(self, x: Array) -> Array:
         th = self.threshold_value
-        q = jnp.where(ge(x, th), 1, jnp.where(le(x, -th), -1, 0)).astype(x.dtype)
+        q = jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0)).astype(x.dtype)
         return jnp.where(jnp.isnan(x), x, q)
 
     def slope(self, x: Array) -> Array:
-        return le(jnp.abs(x), self.clip_value)
+        return jnp.abs(x) <= self.clip_value
 
     def reference_forward(self, x: Array) -> Array:
         th = self.threshold_value
-        q = ge(x, th).astype(x.dtype) - le(x, -th).astype(x.dtype)
+        q = (x >= th).astype(x.dtype) - (x <= -th).astype(x.dtype)
         return jnp.where(x == x, q, x)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, le(jnp.abs(x), self.clip_value))
+        return masked_identity(x, jnp.abs(x) <= self.clip_value)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteTernary]:
@@ -335,13 +334,13 @@ class SteHeaviside(_Elementwise):
         return jnp.where(jnp.isnan(x), x, (x > 0).astype(x.dtype))
 
     def slope(self, x: Array) -> Array:
-        return le(jnp.abs(x), self.clip_value)
+        return jnp.abs(x) <= self.clip_value
 
     def reference_forward(self, x: Array) -> Array:
         return jnp.floor((jnp.sign(x) + 1) / 2)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, le(jnp.abs(x), self.clip_value))
+        return masked_identity(x, jnp.abs(x) <= self.clip_value)
 
 
 class QuadraticSign(_Elementwise):
@@ -378,7 +377,7 @@ class QuadraticSign(_Elementwise):
         return reference_sign(x)
 
     def reference_derivative(self, x: Array) -> Array:
-        u = jnp.where(le(jnp.abs(x), self.clip_value), x, jnp.zeros_like(x))
+        u = jnp.where(jnp.abs(x) <= self.clip_value, x, jnp.zeros_like(x))
         return (2 * u - u * jnp.abs(u) / self.clip_value) / self.clip_value
 
     @classmethod
