@@ -14,6 +14,11 @@ smooth surrogate is NaN. At $\pm\infty$ the values are the limits ($\pm 1$, the 
 levels) and the derivatives the surrogates' limits (0 outside a clip), except the
 softmax derivative of a categorical rule, which is NaN along a row holding $+\infty$
 (softmax has no value there) while the value is one-hot.
+
+Masked derivatives are selected, never multiplied: where a rule's own derivative is
+exactly 0 (a mask false, a slope 0), the tangent and cotangent are exactly 0 whatever
+comes in, an inf or NaN cotangent or scale included (a bare `t * mask` would give
+`0 * inf = NaN`).
 """
 
 from __future__ import annotations

@@ -101,10 +101,30 @@ class SteQuantize(_Elementwise):
     \mathrm{hi}) - \mathrm{lo}) / (\mathrm{hi} - \mathrm{lo})\big)}{n}, \qquad
     \dot q = t \cdot [\mathrm{lo} \le x \le \mathrm{hi}]$$
 
+    **Exact.** The level index is the one nearest the exact input (computed as
+    if in exact arithmetic), ties to the even index, for every input of every
+    floating dtype; the value is the exact level
+    $\mathrm{lo} + k(\mathrm{hi} - \mathrm{lo})/n$ rounded once to the input's
+    dtype. The thresholds and levels are computed with `fractions.Fraction` when
+    traced (a constant table of $2^b$ levels), the index is estimated with one
+    float32 multiply-add and corrected with one comparison. Subnormal inputs may act
+    as zero (XLA flushes them on CPU and GPU).
+
+    **No zero level by default.** $2^b$ levels on the symmetric $[-1, 1]$ are
+    $\pm 1/n, \pm 3/n, \dots$: $0$ is the tie between $-1/n$ and $+1/n$ and goes
+    to the even index, $+1/n$ (`ste_quantize(0.0)` is $1/255$), while every negative
+    input goes to $-1/n$. This default is kept: it is symmetric (1 bit is $\pm 1$,
+    the binarised case), and changing it would silently change trained models. For
+    the grid of PyTorch's and AQT's signed integers, which holds 0 exactly, take
+    `lo = -2^{b-1} s`, `hi = (2^{b-1} - 1) s` for a step $s$.
+
     **Arguments:**
 
-    - `bits`: an integer $b \ge 1$.
-    - `lo`, `hi`: the lowest and highest level, finite, `lo < hi`.
+    - `bits`: an integer $1 \le b \le 16$.
+    - `lo`, `hi`: the lowest and highest level, finite, `lo < hi`, with steps
+        $(\mathrm{hi} - \mathrm{lo})/n$ that float32 resolves (a `ValueError`
+        otherwise, for grids finer than a few float32 steps of
+        $\max(\lvert\mathrm{lo}\rvert, \lvert\mathrm{hi}\rvert)$).
 
     !!! Example
 
@@ -148,9 +168,14 @@ class DoReFa(_Elementwise):
     $$n = 2^b - 1, \qquad q = \operatorname{round}(n \operatorname{clip}(x, 0, 1)) / n,
     \qquad \dot q = t \cdot [0 \le x \le 1]$$
 
+    Exact like [`SteQuantize`][] (of which this is the grid $[0, 1]$): the nearest
+    level of the exact input, ties to the even index, rounded once; subnormal
+    inputs may act as zero. (XLA would turn the division by $n$ into a
+    multiplication by $1/n$, more than one ulp off: the levels are a table.)
+
     **Arguments:**
 
-    - `bits`: an integer $b \ge 1$.
+    - `bits`: an integer $1 \le b \le 16$.
 
     !!! Example
 

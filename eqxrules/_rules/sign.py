@@ -192,6 +192,10 @@ class MagnitudeAwareSign(JVPRule):
     q = \alpha \operatorname{sign}(x), \qquad
     \dot q = \alpha \cdot t \cdot [\lvert x \rvert \le c]$$
 
+    The mask selects: where $\lvert x \rvert > c$ the tangent is exactly 0, even
+    where $\alpha$ is inf or NaN (a non-finite element in the channel) or $t$ is,
+    as in larq.
+
     A 1-D input has no axis to average over, so $\alpha = \lvert x \rvert$ elementwise
     (as in larq). Not elementwise: takes one floating-point array.
 
