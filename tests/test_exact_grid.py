@@ -226,3 +226,20 @@ def test_zero_and_the_sign_near_it():
     assert (
         float(eqxrules.ste_quantize(jnp.float32(1.0000001), lo=-127.5, hi=127.5)) == 1.5
     )
+
+
+def test_quantized_layer_weights_are_the_exact_levels():
+    """Through `Quantized`, the weight is the exact grid too: bfloat16 weights near
+    zero keep their sign (the 0.1.0 formula sent them to +1/255)."""
+    import equinox as eqx
+
+    layer = eqx.nn.Linear(256, 1, key=jax.random.key(0), dtype=jnp.bfloat16)
+    w = jnp.linspace(-1e-6, 1e-6, 256, dtype=jnp.float32).astype(jnp.bfloat16)
+    layer = eqx.tree_at(lambda lay: lay.weight, layer, w[None])
+    q = eqxrules.Quantized(layer, kernel_quantizer=eqxrules.SteQuantize())
+    got = np.asarray(q.quantized_layer.weight, np.float32)[0]
+    x = np.asarray(w)
+    bad = failures(x, got.astype(x.dtype), 8, -1.0, 1.0, _flushable(x))
+    assert bad == {"index": 0, "ulp": 0, "nan": 0}
+    old = run(old_quantize, x, 8, -1.0, 1.0)
+    assert failures(x, old, 8, -1.0, 1.0, _flushable(x))["index"] > 0
