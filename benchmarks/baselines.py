@@ -19,6 +19,7 @@ VARIANT_NAMES = {
     "hand_ref": "hand-written from the references",
     "trick": "stop_gradient trick",
     "quantized_hand": "`Quantized` + hand-written rule",
+    "formula_0_1_0": "the 0.1.0 grid formula (`x - lo` first), hand-written",
 }
 
 
@@ -33,7 +34,11 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
       tangent is `jax.jvp` of `reference_derivative` (or a `custom_vjp` calling
       `reference_vjp`): the rule written by hand from its independent references;
     - `trick`: `d + stop_gradient(f - d)` with `f = reference_forward` and
-      `d = reference_derivative`, where the rule has a `reference_derivative`.
+      `d = reference_derivative`, where the rule has a `reference_derivative`;
+    - `formula_0_1_0`, for the static-grid quantisers only: a plain `jax.custom_jvp`
+      with the rule's tangent and the value of eqxrules 0.1.0 (index from `x - lo`,
+      level from `lo + (hi - lo) k / n`), which is cheaper but not exact: what the
+      exact grid costs.
     """
     _, static = eqx.partition(rule, eqx.is_inexact_array)
     kw = dict(kwargs)
@@ -64,7 +69,37 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
         variants["trick"] = trick
     else:
         variants["hand_ref"] = _ref_vjp(rebuild, kw)
+    grid = _grid(rule)
+    if grid is not None:
+        variants["formula_0_1_0"] = _formula_0_1_0(rebuild, kw, *grid)
     return variants
+
+
+def _grid(rule: Any) -> tuple[int, float, float] | None:
+    if isinstance(rule, eqxrules.SteQuantize):
+        return rule.bits, float(rule.lo), float(rule.hi)
+    if isinstance(rule, eqxrules.DoReFa):
+        return rule.bits, 0.0, 1.0
+    return None
+
+
+def _formula_0_1_0(rebuild: Callable, kw: dict[str, Any], bits, lo, hi) -> Callable:
+    n = 2**bits - 1
+
+    def value(dyn, x):
+        # eqxrules 0.1.0's `_quantize`, with the rule's own mask.
+        inside = rebuild(dyn).slope(x)
+        w = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        u = jnp.where(inside, w, jnp.clip(w, lo, hi))
+        k = jnp.round((u - lo) * (n / (hi - lo)))
+        return (lo + (hi - lo) * (k / n)).astype(x.dtype)
+
+    def tangent(primals, tangents, out):
+        (dyn, x), (t_dyn, t_x) = primals, tangents
+        t = rebuild(dyn).tangent((x,), (t_x,), t_dyn, out, **kw)
+        return _instantiate(t, out)
+
+    return _custom_jvp(value, tangent)
 
 
 def _custom_jvp(value: Callable, tangent: Callable) -> Callable:

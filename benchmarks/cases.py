@@ -169,6 +169,8 @@ def _cnn_case(name, i, label, variants, dyn, sizes) -> Case:
         if v != "eqxrules":
             losses[v] = plain_loss(fn)
     losses["quantized_hand"] = quantized_loss(variants["hand"])
+    if "formula_0_1_0" in variants:  # through `Quantized` too, like eqxrules
+        losses["formula_0_1_0"] = quantized_loss(variants["formula_0_1_0"])
     n_act = sizes.cnn_batch * (64 + 16 * 64 + 32 * 64) + sum(
         x.size for x in jtu.tree_leaves(cnn_params) if x.ndim > 1
     )

@@ -102,6 +102,8 @@ CA = "eqxrules/_rules/categorical.py"
 SG = "eqxrules/_rules/stop_gradient.py"
 GR = "eqxrules/_rules/gradient.py"
 SC = "eqxrules/_rules/scaled.py"
+EX = "eqxrules/_rules/_exact.py"
+EW = "eqxrules/_rules/_elementwise.py"
 CAT = "eqxrules/_catalogue.py"
 
 MUTATIONS = [
@@ -119,16 +121,16 @@ MUTATIONS = [
         "boundary",
         "ste_quantize",
         QU,
-        "return (x >= self.lo) & (x <= self.hi)",
-        "return (x >= self.lo) & (x < self.hi)",
+        "return ge(x, self.lo) & le(x, self.hi)",
+        "return ge(x, self.lo) & (x < self.hi)",
     ),
     Mutation(
         "boundary-dorefa-one",
         "boundary",
         "dorefa_quantize",
         QU,
-        "return (x >= 0) & (x <= 1)",
-        "return (x >= 0) & (x < 1)",
+        "return ge(x, 0.0) & le(x, 1.0)",
+        "return ge(x, 0.0) & (x < 1)",
     ),
     Mutation(
         "boundary-ternary-threshold",
@@ -207,6 +209,34 @@ MUTATIONS = [
         SG,
         "module = _frozen(self.module)",
         "module = self.module",
+    ),
+    # A grid quantiser that computes `x - lo` first (the 0.1.0 formula): wrong
+    # levels near zero and at boundaries.
+    Mutation(
+        "grid-x-minus-lo-first",
+        "grid",
+        "ste_quantize",
+        EX,
+        'level = jnp.take(g.levels, grid_index(w, g, n), mode="clip")',
+        "level = (lo + (hi - lo) * (jnp.round((jnp.clip(w, lo, hi) - lo) * "
+        "(n / (hi - lo))) / n)).astype(x.dtype)",
+    ),
+    # Multiply by a mask (or a zero slope) instead of selecting: 0 * inf is NaN.
+    Mutation(
+        "multiply-magnitude-mask",
+        "select",
+        "magnitude_aware_sign",
+        SIGN,
+        "return jnp.where(mask, t * _magnitude(x), jnp.zeros_like(t))",
+        "return t * (_magnitude(x) * mask.astype(x.dtype))",
+    ),
+    Mutation(
+        "multiply-zero-slope",
+        "select",
+        "approx_sign",
+        EW,
+        "return jnp.where(s == 0, jnp.zeros_like(t), t * s)",
+        "return t * s",
     ),
     # Change a dtype.
     Mutation(

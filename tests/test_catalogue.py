@@ -313,3 +313,122 @@ def test_reverse_only_entry_hessian_is_reverse_over_reverse(entry):
     np.testing.assert_allclose(
         jax.hessian(f)(x), jax.jacrev(jax.jacrev(f))(x), rtol=1e-5, atol=1e-6
     )
+
+
+# Exact values, and masks that select -------------------------------------------
+
+ELEMENTWISE_CASES = example_cases([e for e in ENTRIES if e.elementwise])
+
+
+def _value_mismatches(rule, dtype) -> int:
+    """How many of the 65,536 bit patterns of `dtype` get a value more than one ulp
+    (relative) from `reference_forward`'s; NaN must meet NaN."""
+    x = jnp.asarray(np.arange(2**16, dtype=np.uint16).view(dtype))
+    kw = rule.call_kwargs(KEY)
+    a = np.asarray(jax.jit(lambda x: rule(x, **kw))(x), np.float32)
+    b = np.asarray(jax.jit(lambda x: rule.reference_forward(x, **kw))(x), np.float32)
+    eps = float(jnp.finfo(dtype).eps)
+    with np.errstate(invalid="ignore"):
+        ok = (a == b) | (np.abs(a - b) <= eps * np.abs(b)) | (np.isnan(a) & np.isnan(b))
+    return int(np.sum(~ok))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("entry,index", ELEMENTWISE_CASES)
+def test_elementwise_value_matches_reference_on_every_bit_pattern(entry, index, dtype):
+    """Exhaustively, over every bfloat16 and float16 input (NaN, inf, subnormals and
+    every boundary included), not only at the kinks: where rounding onto a grid goes
+    wrong (the 0.1.0 grid formula put 13,056 negative bfloat16 inputs on +1/255)."""
+    assert _value_mismatches(_example(entry, index), dtype) == 0
+
+
+class _OldGrid(eqxrules.SteQuantize):
+    """The planted defect: the 0.1.0 grid formula, `x - lo` first."""
+
+    def primal(self, x):
+        n = 2**self.bits - 1
+        w = x.astype(jnp.float32)
+        k = jnp.round(
+            (jnp.clip(w, self.lo, self.hi) - self.lo) * (n / (self.hi - self.lo))
+        )
+        return (self.lo + (self.hi - self.lo) * (k / n)).astype(x.dtype)
+
+
+def test_the_bit_pattern_check_catches_the_old_grid_formula():
+    assert _value_mismatches(_OldGrid(), jnp.bfloat16) > 10_000
+
+
+def _own_maths(rule) -> bool:
+    """No arrays or callables inside: the derivative is the rule's own formula, not
+    the autodiff of a wrapped model or surrogate (whose `0 * inf` is its own)."""
+    return not jtu.tree_leaves(rule)
+
+
+def _probe_inputs(rule) -> list[jax.Array]:
+    """The domain's kinks, a float either side of each, its ends and beyond, zero;
+    then the same with one element +inf, -inf or NaN (which make a scale such as a
+    mean magnitude non-finite)."""
+    d = rule.input_domain()
+    f32 = np.float32
+    pool = [f32(v) for v in (*d.kinks, d.low, d.high, d.low - 1, d.high + 1, 0.0)]
+    pool += [np.nextafter(v, f32(s)) for v in pool[: len(d.kinks)] for s in (-1, 1)]
+    size = int(np.prod(d.shape))
+    base = np.resize(np.asarray(pool, f32), size)
+    out = [base]
+    for bad in (np.inf, -np.inf, np.nan):
+        x = base.copy()
+        x[0] = bad
+        out.append(x)
+    return [jnp.asarray(x.reshape(d.shape)) for x in out]
+
+
+def _unselected(entry, rule) -> list[str]:
+    """Where the reference derivative is diagonal (each output depends on its own
+    input only) and exactly 0, the rule's cotangent (and tangent, in forward mode)
+    must be exactly 0 for an incoming +inf, -inf or NaN: masks select, they never
+    multiply. The places that are not, described."""
+    found = []
+    kw = rule.call_kwargs(KEY)
+    for x in _probe_inputs(rule):
+        jac = jax.jacfwd(lambda x: rule.reference_derivative(x, **kw))(x)
+        jac = np.asarray(jac).reshape(x.size, x.size)
+        if np.any(jac[~np.eye(x.size, dtype=bool)] != 0):
+            continue  # not diagonal: a zero there is a sum that cancels
+        zero = np.diag(jac) == 0
+        out, pullback = jax.vjp(lambda x: rule(x, **kw), x)
+        for c in (np.inf, -np.inf, np.nan):
+            flows = {"cotangent": pullback(jnp.full(out.shape, c, out.dtype))[0]}
+            if entry.forward_mode:
+                t = jnp.full(x.shape, c, x.dtype)
+                flows["tangent"] = jax.jvp(lambda x: rule(x, **kw), (x,), (t,))[1]
+            for what, g in flows.items():
+                g = np.asarray(g).reshape(-1)[zero]
+                if np.any(g != 0) or np.any(np.isnan(g)):
+                    found.append(f"{what} {c} at x={np.asarray(x).reshape(-1)[0]}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "entry,index",
+    [c for c in CASES if not c.values[0].reference_vjp],
+)
+def test_zero_derivative_gives_exactly_zero_whatever_comes_in(entry, index):
+    """Masked gradients are selected, never multiplied: an inf or NaN cotangent (or
+    scale) where the derivative is 0 gives 0, not NaN (larq's behaviour; a bare
+    `t * mask` gives `0 * inf`)."""
+    rule = _example(entry, index)
+    if _own_maths(rule):
+        assert _unselected(entry, rule) == []
+
+
+class _Multiplied(eqxrules.SteSign):
+    """The planted defect: the clip mask multiplied in, not selected."""
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        (x,), (t,) = args, t_args
+        return t * (jnp.abs(x) <= self.clip_value).astype(t.dtype)
+
+
+def test_the_zero_derivative_check_catches_a_multiplied_mask():
+    entry = next(e for e in ENTRIES if isinstance(_example(e, 0), eqxrules.SteSign))
+    assert _unselected(entry, _Multiplied())

@@ -37,7 +37,14 @@ def test_every_mutation_applies_to_the_current_sources():
             cls = m.new.split("original = ")[1].split(".")[0]
             assert f"\nclass {cls}(" in text, m.name
     kinds = {m.kind for m in mutation.MUTATIONS}
-    assert {"boundary", "parameter tangent", "scale", "dtype"} <= kinds
+    assert {
+        "boundary",
+        "parameter tangent",
+        "scale",
+        "dtype",
+        "grid",
+        "select",
+    } <= kinds
 
 
 @pytest.mark.slow

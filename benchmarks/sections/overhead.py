@@ -94,6 +94,16 @@ def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
                 f"| `{r['entry']}` {r['rule']} | {report.ratio(o['flops'], q['flops'])} "
                 f"| {report.ratio(o['temp'], q['temp'])} |"
             )
+    grid = [r for r in rows if "formula_0_1_0" in r["figures"]]
+    if grid:
+        lines += report.fill(NAME, "grid")
+        for r in grid:
+            o, g = r["figures"]["eqxrules"], r["figures"]["formula_0_1_0"]
+            lines.append(
+                f"| `{r['entry']}` {r['rule']} | {r['scenario']} | "
+                f"{report.ratio(o['flops'], g['flops'])} | "
+                f"{report.ratio(o['temp'], g['temp'])} |"
+            )
     errors = [(r, v, e) for r in rows for v, e in r["errors"].items()]
     if errors:
         lines += report.fill(NAME, "errors")

@@ -14,6 +14,11 @@ smooth surrogate is NaN. At $\pm\infty$ the values are the limits ($\pm 1$, the 
 levels) and the derivatives the surrogates' limits (0 outside a clip), except the
 softmax derivative of a categorical rule, which is NaN along a row holding $+\infty$
 (softmax has no value there) while the value is one-hot.
+
+Masked derivatives are selected, never multiplied: where a rule's own derivative is
+exactly 0 (a mask false, a slope 0), the tangent and cotangent are exactly 0 whatever
+comes in, an inf or NaN cotangent or scale included (a bare `t * mask` would give
+`0 * inf = NaN`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ sg = jax.lax.stop_gradient
 class _Elementwise(JVPRule):
     """An elementwise rule whose tangent is `t · slope(x)`, in the input's dtype.
     `slope` may return a boolean mask (the tangent is `t` where it holds, else 0),
-    an array of slopes, or `None` for the identity (`t` passes through)."""
+    an array of slopes, or `None` for the identity (`t` passes through). Where the
+    slope is 0 (or the mask false) the tangent is selected to be exactly 0, never
+    multiplied: an inf or NaN incoming tangent or cotangent there gives 0."""
 
     def slope(self, x: Array) -> Array | None:
         raise NotImplementedError
@@ -47,7 +54,9 @@ class _Elementwise(JVPRule):
             return t
         if s.dtype == jnp.bool_:
             return jnp.where(s, t, jnp.zeros_like(t))
-        return t * s
+        # Selected, not multiplied, where the slope is 0: an inf or NaN tangent
+        # there gives 0, not `0 * inf`.
+        return jnp.where(s == 0, jnp.zeros_like(t), t * s)
 
 
 def wide(dtype: Any) -> Any:

@@ -12,8 +12,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
 from .._catalogue import Domain
-from .._hyper import at_least, finite, greater_than, hyperparameter, integer
+from .._hyper import (
+    Check,
+    at_least,
+    at_most,
+    finite,
+    greater_than,
+    hyperparameter,
+    integer,
+)
 from ._elementwise import _Elementwise, masked_identity, wide
+from ._exact import MAX_BITS, ge, le, quantize, reference_quantize, resolvable
 
 
 def _reference_round(x: Array) -> Array:
@@ -24,24 +33,19 @@ def _reference_round(x: Array) -> Array:
     return jnp.where(d > 0.5, f + 1, jnp.where(d < 0.5, f, jnp.where(even, f, f + 1)))
 
 
-def _quantize(x: Array, bits: int, lo: float, hi: float, inside: Array) -> Array:
-    """`2**bits` levels from `lo` to `hi`. `inside` is `[lo <= x <= hi]`: the value
-    selects with it, so XLA computes it once, in the forward pass, and keeps that
-    boolean for the backward pass (which masks with it) instead of keeping `x`
-    alive to compute it again."""
-    n = 2**bits - 1
-    w = x.astype(wide(x.dtype))
-    u = jnp.where(inside, w, jnp.clip(w, lo, hi))
-    k = jnp.round((u - lo) * (n / (hi - lo)))
-    return (lo + (hi - lo) * (k / n)).astype(x.dtype)
-
-
-def _reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
-    n = 2**bits - 1
-    w = x.astype(wide(x.dtype))
-    u = jnp.where(w < lo, lo, jnp.where(w > hi, hi, w))
-    k = _reference_round((u - lo) * (n / (hi - lo)))
-    return (lo + (hi - lo) * (k / n)).astype(x.dtype)
+_AT_MOST_16 = at_most(
+    MAX_BITS, " (the exact grid is a constant table of 2^bits levels)"
+)
+_RESOLVED = Check(
+    lambda m: (
+        f"leave grid steps that float32 resolves, with `bits` (={m.bits!r}) and "
+        f"`lo` (={m.lo!r}): (hi - lo)/(2^bits - 1) must be more than a few float32 "
+        "steps of max(|lo|, |hi|)"
+    ),
+    lambda v, m: resolvable(m.bits, m.lo, v),
+    bad=lambda m: (m.lo + max(abs(m.lo), 1.0) * 2.0**-30,),
+    after=(greater_than("lo"),),
+)
 
 
 def _quantizer_kinks(bits: int, lo: float, hi: float) -> tuple[float, ...]:
@@ -97,10 +101,30 @@ class SteQuantize(_Elementwise):
     \mathrm{hi}) - \mathrm{lo}) / (\mathrm{hi} - \mathrm{lo})\big)}{n}, \qquad
     \dot q = t \cdot [\mathrm{lo} \le x \le \mathrm{hi}]$$
 
+    **Exact.** The level index is the one nearest the exact input (computed as
+    if in exact arithmetic), ties to the even index, for every input of every
+    floating dtype; the value is the exact level
+    $\mathrm{lo} + k(\mathrm{hi} - \mathrm{lo})/n$ rounded once to the input's
+    dtype. The thresholds and levels are computed with `fractions.Fraction` when
+    traced (a constant table of $2^b$ levels), the index is estimated with one
+    float32 multiply-add and corrected with one comparison. Subnormal inputs may act
+    as zero (XLA flushes them on CPU and GPU).
+
+    **No zero level by default.** $2^b$ levels on the symmetric $[-1, 1]$ are
+    $\pm 1/n, \pm 3/n, \dots$: $0$ is the tie between $-1/n$ and $+1/n$ and goes
+    to the even index, $+1/n$ (`ste_quantize(0.0)` is $1/255$), while every negative
+    input goes to $-1/n$. This default is kept: it is symmetric (1 bit is $\pm 1$,
+    the binarised case), and changing it would silently change trained models. For
+    the grid of PyTorch's and AQT's signed integers, which holds 0 exactly, take
+    `lo = -2^{b-1} s`, `hi = (2^{b-1} - 1) s` for a step $s$.
+
     **Arguments:**
 
-    - `bits`: an integer $b \ge 1$.
-    - `lo`, `hi`: the lowest and highest level, finite, `lo < hi`.
+    - `bits`: an integer $1 \le b \le 16$.
+    - `lo`, `hi`: the lowest and highest level, finite, `lo < hi`, with steps
+        $(\mathrm{hi} - \mathrm{lo})/n$ that float32 resolves (a `ValueError`
+        otherwise, for grids finer than a few float32 steps of
+        $\max(\lvert\mathrm{lo}\rvert, \lvert\mathrm{hi}\rvert)$).
 
     !!! Example
 
@@ -109,9 +133,9 @@ class SteQuantize(_Elementwise):
         ```
     """
 
-    bits: int = hyperparameter(8, at_least(1, integer), positional=True)
+    bits: int = hyperparameter(8, at_least(1, integer), _AT_MOST_16, positional=True)
     lo: float = hyperparameter(-1.0, finite, positional=True)
-    hi: float = hyperparameter(1.0, greater_than("lo"), positional=True)
+    hi: float = hyperparameter(1.0, _RESOLVED, positional=True)
 
     summary: ClassVar[str] = (
         "uniform quantisation of clip(x, lo, hi) onto 2^bits levels; derivative "
@@ -122,16 +146,16 @@ class SteQuantize(_Elementwise):
         return _quantizer_kinks(self.bits, self.lo, self.hi)
 
     def primal(self, x: Array) -> Array:
-        return _quantize(x, self.bits, float(self.lo), float(self.hi), self.slope(x))
+        return quantize(x, self.bits, self.lo, self.hi, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return (x >= self.lo) & (x <= self.hi)
+        return ge(x, self.lo) & le(x, self.hi)
 
     def reference_forward(self, x: Array) -> Array:
-        return _reference_quantize(x, self.bits, float(self.lo), float(self.hi))
+        return reference_quantize(x, self.bits, self.lo, self.hi)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, (x >= self.lo) & (x <= self.hi))
+        return masked_identity(x, ge(x, self.lo) & le(x, self.hi))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteQuantize]:
@@ -144,9 +168,14 @@ class DoReFa(_Elementwise):
     $$n = 2^b - 1, \qquad q = \operatorname{round}(n \operatorname{clip}(x, 0, 1)) / n,
     \qquad \dot q = t \cdot [0 \le x \le 1]$$
 
+    Exact like [`SteQuantize`][] (of which this is the grid $[0, 1]$): the nearest
+    level of the exact input, ties to the even index, rounded once; subnormal
+    inputs may act as zero. (XLA would turn the division by $n$ into a
+    multiplication by $1/n$, more than one ulp off: the levels are a table.)
+
     **Arguments:**
 
-    - `bits`: an integer $b \ge 1$.
+    - `bits`: an integer $1 \le b \le 16$.
 
     !!! Example
 
@@ -155,7 +184,7 @@ class DoReFa(_Elementwise):
         ```
     """
 
-    bits: int = hyperparameter(2, at_least(1, integer), positional=True)
+    bits: int = hyperparameter(2, at_least(1, integer), _AT_MOST_16, positional=True)
 
     summary: ClassVar[str] = (
         "round(clip(x, 0, 1)·n)/n with n = 2^bits − 1; derivative `t·[0 <= x <= 1]`"
@@ -167,16 +196,16 @@ class DoReFa(_Elementwise):
         return _quantizer_kinks(self.bits, 0.0, 1.0)
 
     def primal(self, x: Array) -> Array:
-        return _quantize(x, self.bits, 0.0, 1.0, self.slope(x))
+        return quantize(x, self.bits, 0.0, 1.0, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return (x >= 0) & (x <= 1)
+        return ge(x, 0.0) & le(x, 1.0)
 
     def reference_forward(self, x: Array) -> Array:
-        return _reference_quantize(x, self.bits, 0.0, 1.0)
+        return reference_quantize(x, self.bits, 0.0, 1.0)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, (x >= 0) & (x <= 1))
+        return masked_identity(x, ge(x, 0.0) & le(x, 1.0))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[DoReFa]:

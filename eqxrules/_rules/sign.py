@@ -194,6 +194,10 @@ class MagnitudeAwareSign(JVPRule):
     q = \alpha \operatorname{sign}(x), \qquad
     \dot q = \alpha \cdot t \cdot [\lvert x \rvert \le c]$$
 
+    The mask selects: where $\lvert x \rvert > c$ the tangent is exactly 0, even
+    where $\alpha$ is inf or NaN (a non-finite element in the channel) or $t$ is,
+    as in larq.
+
     A 1-D input has no axis to average over, so $\alpha = \lvert x \rvert$ elementwise
     (as in larq). Not elementwise: takes one floating-point array.
 
@@ -232,8 +236,11 @@ class MagnitudeAwareSign(JVPRule):
         (t,) = t_args
         if t is None:
             return None
-        mask = (jnp.abs(x) <= self.clip_value).astype(x.dtype)
-        return t * (_magnitude(x) * mask)
+        # Selected, not multiplied: where the mask is 0 the tangent is exactly 0,
+        # even where the scale is inf or NaN (a non-finite element in the channel)
+        # or `t` is.
+        mask = jnp.abs(x) <= self.clip_value
+        return jnp.where(mask, t * _magnitude(x), jnp.zeros_like(t))
 
     def reference_forward(self, x: Array) -> Array:
         axes = tuple(range(x.ndim - 1))
@@ -241,7 +248,7 @@ class MagnitudeAwareSign(JVPRule):
         return scale * reference_sign(x)
 
     def reference_derivative(self, x: Array) -> Array:
-        return sg(_magnitude(x)) * masked_identity(x, jnp.abs(x) <= self.clip_value)
+        return masked_identity(sg(_magnitude(x)) * x, jnp.abs(x) <= self.clip_value)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[MagnitudeAwareSign]:
