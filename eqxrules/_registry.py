@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from ._hyper import undeclared
+from ._hyper import parameters, undeclared
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -165,12 +165,24 @@ def functional(rule: type) -> Callable[[_F], _F]:
 
 
 def _derived_form(rule: type) -> Callable[..., Any]:
-    """`name(x, [key,] *, hyperparameters...)`: builds `rule` from the keywords
-    given (the Module's own defaults for the others) and calls it."""
+    """`name(x, [parameters...,] [key,] *, hyperparameters...)`: builds `rule` from
+    the arguments given (the Module's own defaults for the others) and calls it.
+    Learnable [`parameter`][eqxrules._hyper.parameter]s without a default (a
+    learned step, say) are positional after the inputs; every other field is
+    keyword-only."""
     name = functional_name(rule)
     inputs = primal_arity(rule) or ("x",)
     P = inspect.Parameter
     params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in inputs]
+    learnable = set(parameters(rule))
+    positional = [
+        f
+        for f in dataclasses.fields(rule)
+        if f.name in learnable and f.default is dataclasses.MISSING
+    ]
+    params += [
+        P(f.name, P.POSITIONAL_OR_KEYWORD, annotation=f.type) for f in positional
+    ]
     needs_key = key_parameter(rule)
     if needs_key == "required":
         params.append(P("key", P.POSITIONAL_OR_KEYWORD))
@@ -178,6 +190,8 @@ def _derived_form(rule: type) -> Callable[..., Any]:
         params.append(P("key", P.KEYWORD_ONLY, default=None))
     fields = [f.name for f in dataclasses.fields(rule)]
     for f in dataclasses.fields(rule):
+        if f in positional:
+            continue
         default = P.empty if f.default is dataclasses.MISSING else f.default
         params.append(P(f.name, P.KEYWORD_ONLY, default=default, annotation=f.type))
     signature = inspect.Signature(params)
