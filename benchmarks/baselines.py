@@ -12,6 +12,8 @@ import jax.tree_util as jtu
 
 import eqxrules
 
+from . import learned
+
 VARIANTS = ("eqxrules", "hand", "hand_ref", "trick")
 VARIANT_NAMES = {
     "eqxrules": "eqxrules",
@@ -33,7 +35,9 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
       tangent is `jax.jvp` of `reference_derivative` (or a `custom_vjp` calling
       `reference_vjp`): the rule written by hand from its independent references;
     - `trick`: `d + stop_gradient(f - d)` with `f = reference_forward` and
-      `d = reference_derivative`, where the rule has a `reference_derivative`.
+      `d = reference_derivative`, where the rule has a `reference_derivative`; for
+      a learned quantiser, the formulation users write today instead
+      (`benchmarks.learned.USER_TRICKS`).
     """
     _, static = eqx.partition(rule, eqx.is_inexact_array)
     kw = dict(kwargs)
@@ -62,6 +66,9 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
             return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
 
         variants["trick"] = trick
+        user = learned.USER_TRICKS.get(type(rule))
+        if user is not None:
+            variants["trick"] = user(rule)
     else:
         variants["hand_ref"] = _ref_vjp(rebuild, kw)
     return variants

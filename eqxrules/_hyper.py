@@ -183,9 +183,12 @@ def _concrete(v: Any, test: Callable[[np.ndarray], Any]) -> bool:
 
 float_or_array = Check(
     "be a real number or a floating-point array",
-    lambda v, _: _is_real(v)
-    or (
-        isinstance(v, (np.ndarray, jax.Array)) and np.issubdtype(v.dtype, np.floating)
+    lambda v, _: (
+        _is_real(v)
+        or (
+            isinstance(v, (np.ndarray, jax.Array))
+            and np.issubdtype(v.dtype, np.floating)
+        )
     ),
     TypeError,
     ("2", True, np.array([1, 2])),

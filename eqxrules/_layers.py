@@ -1,5 +1,11 @@
-"""Layers built from rules: `Quantized` wraps a layer with a `weight`, and `quantize`
-wraps every such layer of a model."""
+"""Layers built from rules: `Quantized` wraps a layer with a `weight`, `quantize`
+wraps every such layer of a model, and `calibrate` initialises learned input
+quantisers from data.
+
+A quantiser with learned parameters (an [`LSQ`][] step, say) joins in through one
+method, `initialised_from(array) -> quantiser`: a copy of itself fitted to `array`.
+`quantize` calls it on each layer's weight, `calibrate` on each layer's input;
+nothing here names a quantiser."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
@@ -126,7 +133,12 @@ def quantize(
     **Arguments:**
 
     - `model`: any pytree of layers, e.g. an `eqx.nn.MLP` or `eqx.nn.Sequential`.
-    - `kernel_quantizer`, `input_quantizer`: as for [`Quantized`][].
+    - `kernel_quantizer`, `input_quantizer`: as for [`Quantized`][]. A learned
+        kernel quantiser (one with an `initialised_from` method, as [`LSQ`][] and
+        [`PACT`][] have) is fitted to each layer's own weight, so every layer gets
+        its own learnable step (per output channel, the weight's axis 0 in
+        `Linear` and `Conv1d/2d/3d`, if the quantiser has `axis=0`). A learned input
+        quantiser is fitted with [`calibrate`][].
     - `where`: a predicate choosing the layers to wrap. Default: every
         `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`).
 
@@ -166,12 +178,110 @@ def quantize(
 
     def wrap(layer: Any) -> Quantized:
         return Quantized(
-            layer, kernel_quantizer=kernel_quantizer, input_quantizer=input_quantizer
+            layer,
+            kernel_quantizer=_initialised(kernel_quantizer, layer.weight),
+            input_quantizer=input_quantizer,
         )
 
     return eqx.tree_at(
         lambda m: [_get(m, path) for path in paths], model, replace_fn=wrap
     )
+
+
+def _initialised(quantizer: Any, array: Array) -> Any:
+    """`quantizer` fitted to `array` if it is learned (has `initialised_from`)."""
+    fit = getattr(quantizer, "initialised_from", None)
+    return quantizer if fit is None else fit(array)
+
+
+def calibrate(
+    model: _M, x: Any, *, vmap: bool = True, key: PRNGKeyArray | None = None
+) -> _M:
+    r"""Initialise every learned input quantiser of `model` from the input its layer
+    sees on a calibration batch `x`.
+
+    The model runs once, with each [`Quantized`][] layer's learned input quantiser
+    (one with an `initialised_from` method, as [`LSQ`][] and [`PACT`][] have)
+    replaced by a recorder that passes its input on unquantised; each is then
+    fitted to everything its layer saw (for `LSQ`, the step
+    $2\,\overline{\lvert v\rvert}/\sqrt{Q_p}$; for `PACT`, $\alpha = \max v$).
+    Weight quantisers are applied as they are. Run it outside `jit`.
+
+    **Arguments:**
+
+    - `model`: a model holding `Quantized` layers, e.g. from [`quantize`][].
+    - `x`: a batch of inputs.
+    - `vmap`: `True` (default) if `model` takes one example, so it is applied to
+        the batch with `jax.vmap`; `False` to call `model(x)` as it is.
+    - `key`: a PRNG key passed to the model, if it takes one.
+
+    **Returns:**
+
+    A copy of `model` with its learned input quantisers fitted. Unchanged if it has
+    none.
+
+    !!! Example
+
+        ```python
+        mlp = eqx.nn.MLP(64, 10, 128, 2, key=jax.random.key(0))
+        q = eqxrules.quantize(
+            mlp, kernel_quantizer=eqxrules.LSQ(1.0, bits=4, axis=0),
+            input_quantizer=eqxrules.LSQ(1.0, bits=4),
+        )
+        q = eqxrules.calibrate(q, x_train[:256])
+        ```
+    """
+
+    def is_quantized(node: Any) -> bool:
+        return isinstance(node, Quantized)
+
+    def learned(m: Any) -> list[Quantized]:
+        nodes = jtu.tree_leaves(m, is_leaf=is_quantized)
+        return [
+            n
+            for n in nodes
+            if is_quantized(n) and hasattr(n.input_quantizer, "initialised_from")
+        ]
+
+    layers = learned(model)
+    if not layers:
+        return model
+
+    def run(x: Any) -> list[list[Array]]:
+        seen: list[list[Array]] = [[] for _ in layers]
+
+        def recorder(i: int) -> Callable[[Array], Array]:
+            def record(h: Array) -> Array:
+                seen[i].append(h)
+                return h
+
+            return record
+
+        recording = eqx.tree_at(
+            lambda m: [n.input_quantizer for n in learned(m)],
+            model,
+            [recorder(i) for i in range(len(layers))],
+        )
+        call_with_key(recording, x, key)  # pyright: ignore[reportArgumentType]
+        return seen
+
+    seen = jax.vmap(run)(x) if vmap else run(x)
+    fitted = []
+    for layer, inputs in zip(layers, seen):
+        if not inputs:
+            fitted.append(layer.input_quantizer)
+            continue
+        # The samples the quantiser is fitted to: with `vmap`, batch first (so an
+        # `axis` of an input quantiser is best counted from the end); a layer
+        # called more than once contributes every call's input.
+        if len(inputs) == 1:
+            samples = inputs[0]
+        elif vmap:
+            samples = jnp.concatenate(inputs, axis=0)
+        else:
+            samples = jnp.concatenate([h.reshape(-1) for h in inputs])
+        fitted.append(_initialised(layer.input_quantizer, samples))
+    return eqx.tree_at(lambda m: [n.input_quantizer for n in learned(m)], model, fitted)
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:

@@ -37,7 +37,13 @@ def test_every_mutation_applies_to_the_current_sources():
             cls = m.new.split("original = ")[1].split(".")[0]
             assert f"\nclass {cls}(" in text, m.name
     kinds = {m.kind for m in mutation.MUTATIONS}
-    assert {"boundary", "parameter tangent", "scale", "dtype"} <= kinds
+    assert {
+        "boundary",
+        "parameter tangent",
+        "scale",
+        "dtype",
+        "step derivative",
+    } <= kinds
 
 
 @pytest.mark.slow
@@ -61,3 +67,22 @@ def test_mutation_script_catches_a_planted_boundary_flip():
     assert report["caught"] == report["planted"] == 1
     result = report["mutations"]["boundary-dorefa-one"]
     assert result["status"] == "caught" and "dorefa_quantize" in result["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lsq-step-sign-upper-clip", "lsq-missing-grad-scale"])
+def test_mutation_script_catches_a_planted_step_derivative_defect(name):
+    """A learned step's derivative is checked through the checker's parameter path:
+    a wrong sign at the upper clip, or a forgotten gradient scale, fails it."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "mutation.py"), "--only", name, "--no-control"]
+        + ["--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["caught"] == report["planted"] == 1
+    assert report["mutations"][name]["status"] == "caught"

@@ -34,9 +34,11 @@ from ._elementwise import masked_identity, sg, wide
 from .quantize import _reference_round
 
 _signed_bits = Check(
-    lambda m: "be >= 2 for a signed quantiser"
-    if m.signed is True
-    else "be >= 1 for an unsigned quantiser",
+    lambda m: (
+        "be >= 2 for a signed quantiser"
+        if m.signed is True
+        else "be >= 1 for an unsigned quantiser"
+    ),
     lambda v, m: v >= (2 if m.signed is True else 1),
     bad=lambda m: (1,) if m.signed is True else (0,),
     after=(integer,),
@@ -162,7 +164,11 @@ class LSQ(JVPRule):
         extra = () if self.offset is None else (self.offset,)
         w = _compute_dtype(x, self.step, *extra)
         s = _per_channel(self.step, self.axis, x.ndim).astype(w)
-        b = None if self.offset is None else _per_channel(self.offset, self.axis, x.ndim)
+        b = (
+            None
+            if self.offset is None
+            else _per_channel(self.offset, self.axis, x.ndim)
+        )
         return w, s, None if b is None else b.astype(w)
 
     def _g(self, x: Array) -> float:
