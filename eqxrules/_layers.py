@@ -205,7 +205,7 @@ def calibrate(
     replaced by a recorder that passes its input on unquantised; each is then
     fitted to everything its layer saw (for `LSQ`, the step
     $2\,\overline{\lvert v\rvert}/\sqrt{Q_p}$; for `PACT`, $\alpha = \max v$).
-    Weight quantisers are applied as they are. Run it outside `jit`.
+    Weight quantisers are applied as they are.
 
     **Arguments:**
 
@@ -265,7 +265,8 @@ def calibrate(
         call_with_key(recording, x, key)  # pyright: ignore[reportArgumentType]
         return seen
 
-    seen = jax.vmap(run)(x) if vmap else run(x)
+    # One compiled program (eagerly, each operation would compile its own).
+    seen = eqx.filter_jit(lambda x: jax.vmap(run)(x) if vmap else run(x))(x)
     fitted = []
     for layer, inputs in zip(layers, seen):
         if not inputs:
