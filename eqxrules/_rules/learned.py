@@ -10,10 +10,12 @@ to even. (Notation: see `_elementwise`.)
 
 from __future__ import annotations
 
+import functools as ft
 import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
@@ -63,6 +65,21 @@ def _per_channel(p: Any, axis: int | None, ndim: int) -> Array:
     if axis is None:
         return p
     return p.reshape(p.shape + (1,) * (ndim - 1 - axis % ndim))
+
+
+# Jitted: called eagerly on each layer's weights, one program per shape rather than
+# one per operation.
+@ft.partial(jax.jit, static_argnums=(1, 2))
+def _initial_step(x: Array, axes: tuple[int, ...] | None, qp: int) -> Array:
+    w = wide(x.dtype)
+    mean = jnp.mean(jnp.abs(x.astype(w)), axis=axes)
+    return jnp.maximum(2 * mean / math.sqrt(qp), jnp.finfo(w).tiny)
+
+
+@jax.jit
+def _initial_alpha(x: Array) -> Array:
+    w = wide(x.dtype)
+    return jnp.maximum(jnp.max(x.astype(w)), jnp.finfo(w).tiny)
 
 
 class LSQ(JVPRule):
@@ -286,12 +303,10 @@ class LSQ(JVPRule):
             check_axis(self.rule_name(), self.axis, x.shape, "x")
             axis = self.axis % x.ndim
             axes = tuple(a for a in range(x.ndim) if a != axis)
-        w = wide(x.dtype)
-        mean = jnp.mean(jnp.abs(x.astype(w)), axis=axes)
-        step = jnp.maximum(2 * mean / math.sqrt(self._levels()[1]), jnp.finfo(w).tiny)
+        step = _initial_step(x, axes, self._levels()[1])
         offset = self.offset
         if offset is not None and jnp.shape(offset) != step.shape:
-            offset = jnp.zeros(step.shape, w)
+            offset = jnp.zeros(step.shape, step.dtype)
         return type(self)(
             step,
             bits=self.bits,
@@ -417,10 +432,7 @@ class PACT(JVPRule):
     def initialised_from(self, x: ArrayLike) -> PACT:
         r"""This quantiser with $\alpha = \max v$ of data `x` (at least the
         smallest normal number), what [`calibrate`][] calls."""
-        x = jnp.asarray(x)
-        w = wide(x.dtype)
-        alpha = jnp.maximum(jnp.max(x.astype(w)), jnp.finfo(w).tiny)
-        return type(self)(alpha, bits=self.bits)
+        return type(self)(_initial_alpha(jnp.asarray(x)), bits=self.bits)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[PACT]:
