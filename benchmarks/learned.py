@@ -107,9 +107,14 @@ def qat_case_parts(
     x, y = nets.digits_batch(sizes.batch)
     dims = nets.mlp_dims(sizes)
     ws = nets.mlp_weights(sizes)
-    dyn, _ = eqx.partition(rule, eqx.is_inexact_array)
-    n = len(ws)
-    params = (ws, [dyn] * n, [dyn] * n)
+    # Each weight and each layer's input its own quantiser, fitted to it (so a
+    # per-channel example gets one step per output column, or per input feature).
+    def fitted(a: jax.Array) -> Any:
+        return eqx.filter(rule.initialised_from(a), eqx.is_inexact_array)
+
+    w_dyn = [fitted(w) for w in ws]
+    a_dyn = [fitted(jnp.full((2, d), 0.5)) for d in dims[:-1]]
+    params = (ws, w_dyn, a_dyn)
     n_act = sizes.batch * sum(dims[:-1]) + sum(
         a * b for a, b in zip(dims[:-1], dims[1:])
     )

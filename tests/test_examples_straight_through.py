@@ -36,7 +36,7 @@ def test_qat_digits_trains_every_row_and_prints_the_table(load_example, capsys):
     lines = capsys.readouterr().out.splitlines()
     for row in example.ROWS:
         r = results[row.name]
-        progress = [ln for ln in lines if ln.startswith(f"{row.name:30s} epoch")]
+        progress = [ln for ln in lines if ln.startswith(f"{row.name:30s} seed 0 epoch")]
         assert len(progress) == len(r["losses"]) >= 2, row.name
         assert r["losses"][-1] < r["losses"][0], row.name
         assert 0.0 <= r["accuracy"] <= 1.0
