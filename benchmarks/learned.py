@@ -107,6 +107,7 @@ def qat_case_parts(
     x, y = nets.digits_batch(sizes.batch)
     dims = nets.mlp_dims(sizes)
     ws = nets.mlp_weights(sizes)
+
     # Each weight and each layer's input its own quantiser, fitted to it (so a
     # per-channel example gets one step per output column, or per input feature).
     def fitted(a: jax.Array) -> Any:
