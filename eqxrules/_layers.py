@@ -47,6 +47,11 @@ class Quantized(eqx.Module):
         `None` leaves the weight as it is.
     - `input_quantizer`: a callable applied to the input. `None` leaves it as it is.
 
+    A learned quantiser ([`LSQ`][], [`PACT`][]) keeps its step as an array leaf of
+    this Module, so an optimiser trains it with the weight. Built directly, it is
+    used as given; [`quantize`][] fits it to the layer's weight, and
+    [`calibrate`][] an input quantiser to the layer's input.
+
     Called with `key=`, as `eqx.nn.Sequential` calls it, the key is split in three:
     for `input_quantizer`, `kernel_quantizer` and `layer`, in that order. Each gets
     its part only if it takes a `key` (so [`StochasticRound`][] can quantise, and a

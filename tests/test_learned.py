@@ -275,3 +275,26 @@ def test_check_rule_catches_planted_step_defects(defect):
                 check_rule(fn, *args, **refs, finite_differences=False)
         else:
             check_rule(fn, *args, **refs, finite_differences=False)
+
+
+class _Batched(eqx.Module):
+    layer: eqxrules.Quantized
+
+    def __call__(self, x):
+        return jax.vmap(self.layer)(x)
+
+
+def test_calibrate_a_model_that_takes_the_batch():
+    """`vmap=False` calls the model on the whole batch: the same fit as mapping a
+    per-example model over it."""
+    layer = eqxrules.quantize(
+        eqx.nn.Linear(3, 2, key=jax.random.key(0)),
+        input_quantizer=eqxrules.LSQ(1.0, bits=3),
+    )
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    batched = eqxrules.calibrate(_Batched(layer), x, vmap=False)
+    mapped = eqxrules.calibrate(layer, x)
+    np.testing.assert_allclose(
+        batched.layer.input_quantizer.step, mapped.input_quantizer.step, rtol=1e-6
+    )
+    assert mapped.input_quantizer.step != layer.input_quantizer.step
