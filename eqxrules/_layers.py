@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from ._catalogue import call_with_key
@@ -205,10 +206,11 @@ def calibrate(
     r"""Initialise every learned input quantiser of `model` from the input its layer
     sees on a calibration batch `x`.
 
-    The model runs once, with each [`Quantized`][] layer's learned input quantiser
-    (one with an `initialised_from` method, as [`LSQ`][] and [`PACT`][] have)
-    replaced by a recorder that passes its input on unquantised; each is then
-    fitted to everything its layer saw (for `LSQ`, the step
+    The model runs once, jitted, with each [`Quantized`][] layer's learned input
+    quantiser (one with an `initialised_from` method, as [`LSQ`][] and [`PACT`][]
+    have) replaced by a recorder that passes its input on unquantised and copies
+    it to the host (`jax.debug.callback`); each is then fitted to everything its
+    layer saw (for `LSQ`, the step
     $2\,\overline{\lvert v\rvert}/\sqrt{Q_p}$; for `PACT`, $\alpha = \max v$).
     Weight quantisers are applied as they are.
 
@@ -217,7 +219,8 @@ def calibrate(
     - `model`: a model holding `Quantized` layers, e.g. from [`quantize`][].
     - `x`: a batch of inputs.
     - `vmap`: `True` (default) if `model` takes one example, so it is applied to
-        the batch with `jax.vmap`; `False` to call `model(x)` as it is.
+        the batch with `jax.vmap`; `False` to call `model(x)` as it is (a model
+        that maps over the batch itself, with `jax.vmap` or otherwise).
     - `key`: a PRNG key passed to the model, if it takes one.
 
     **Returns:**
@@ -252,40 +255,42 @@ def calibrate(
     if not layers:
         return model
 
-    def run(x: Any) -> list[list[Array]]:
-        seen: list[list[Array]] = [[] for _ in layers]
+    # Each recorder sends its input to the host with `jax.debug.callback`, which
+    # sees one example at a time however the model maps over the batch (the
+    # calibration's `vmap`, or the model's own).
+    seen: list[list[np.ndarray]] = [[] for _ in layers]
 
-        def recorder(i: int) -> Callable[[Array], Array]:
-            def record(h: Array) -> Array:
-                seen[i].append(h)
-                return h
+    def recorder(i: int) -> Callable[[Array], Array]:
+        def record(h: Array) -> Array:
+            jax.debug.callback(lambda a: seen[i].append(np.asarray(a)), h)
+            return h
 
-            return record
+        return record
 
-        recording = eqx.tree_at(
-            lambda m: [n.input_quantizer for n in learned(m)],
-            model,
-            [recorder(i) for i in range(len(layers))],
-        )
-        call_with_key(recording, x, key)  # pyright: ignore[reportArgumentType]
-        return seen
+    recording = eqx.tree_at(
+        lambda m: [n.input_quantizer for n in learned(m)],
+        model,
+        [recorder(i) for i in range(len(layers))],
+    )
+
+    def run(x: Any) -> Any:
+        return call_with_key(recording, x, key)  # pyright: ignore[reportArgumentType]
 
     # One compiled program (eagerly, each operation would compile its own).
-    seen = eqx.filter_jit(lambda x: jax.vmap(run)(x) if vmap else run(x))(x)
+    jax.block_until_ready(eqx.filter_jit(jax.vmap(run) if vmap else run)(x))
+    jax.effects_barrier()
     fitted = []
     for layer, inputs in zip(layers, seen):
         if not inputs:
             fitted.append(layer.input_quantizer)
             continue
-        # The samples the quantiser is fitted to: with `vmap`, batch first (so an
-        # `axis` of an input quantiser is best counted from the end); a layer
-        # called more than once contributes every call's input.
-        if len(inputs) == 1:
-            samples = inputs[0]
-        elif vmap:
-            samples = jnp.concatenate(inputs, axis=0)
+        # Every input the layer saw, stacked along a new first axis (so an `axis`
+        # of an input quantiser is best counted from the end); flattened and
+        # joined if their shapes differ.
+        if len({a.shape for a in inputs}) == 1:
+            samples = jnp.asarray(np.stack(inputs))
         else:
-            samples = jnp.concatenate([h.reshape(-1) for h in inputs])
+            samples = jnp.asarray(np.concatenate([a.reshape(-1) for a in inputs]))
         fitted.append(_initialised(layer.input_quantizer, samples))
     return eqx.tree_at(lambda m: [n.input_quantizer for n in learned(m)], model, fitted)
 
