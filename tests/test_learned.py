@@ -6,6 +6,7 @@ that `check_rule` must catch."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import equinox as eqx
@@ -298,3 +299,22 @@ def test_calibrate_a_model_that_takes_the_batch():
         batched.layer.input_quantizer.step, mapped.input_quantizer.step, rtol=1e-6
     )
     assert mapped.input_quantizer.step != layer.input_quantizer.step
+
+
+def test_derived_functional_forms_take_the_step_by_position():
+    """A learnable `parameter(...)` without a default is positional after the
+    inputs; with a default (`offset`) it is keyword-only, like a hyperparameter."""
+    lsq = inspect.signature(eqxrules.lsq_quantize).parameters
+    assert list(lsq)[:2] == ["x", "step"]
+    assert lsq["step"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for name in ("bits", "signed", "grad_scale", "axis", "offset"):
+        assert lsq[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    pact = inspect.signature(eqxrules.pact_quantize).parameters
+    assert list(pact) == ["x", "alpha", "bits"]
+    x = jnp.array([0.3, 2.0])
+    np.testing.assert_array_equal(
+        eqxrules.lsq_quantize(x, step=jnp.array(0.5), bits=2),
+        eqxrules.lsq_quantize(x, jnp.array(0.5), bits=2),
+    )
+    with pytest.raises(TypeError, match="`lsq_quantize`.*by keyword"):
+        eqxrules.lsq_quantize(x, jnp.array(0.5), 2)  # type: ignore[misc]
