@@ -12,6 +12,8 @@ import jax.tree_util as jtu
 
 import eqxrules
 
+from . import learned
+
 VARIANTS = ("eqxrules", "hand", "hand_ref", "trick")
 VARIANT_NAMES = {
     "eqxrules": "eqxrules",
@@ -34,7 +36,9 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
       tangent is `jax.jvp` of `reference_derivative` (or a `custom_vjp` calling
       `reference_vjp`): the rule written by hand from its independent references;
     - `trick`: `d + stop_gradient(f - d)` with `f = reference_forward` and
-      `d = reference_derivative`, where the rule has a `reference_derivative`;
+      `d = reference_derivative`, where the rule has a `reference_derivative`; for
+      a learned quantiser, the formulation users write today instead
+      (`benchmarks.learned.USER_TRICKS`);
     - `formula_0_1_0`, for the static-grid quantisers only: a plain `jax.custom_jvp`
       with the rule's tangent and the value of eqxrules 0.1.0 (index from `x - lo`,
       level from `lo + (hi - lo) k / n`), which is cheaper but not exact: what the
@@ -67,6 +71,9 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
             return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
 
         variants["trick"] = trick
+        user = learned.USER_TRICKS.get(type(rule))
+        if user is not None:
+            variants["trick"] = user(rule)
     else:
         variants["hand_ref"] = _ref_vjp(rebuild, kw)
     grid = _grid(rule)

@@ -15,7 +15,7 @@ import numpy as np
 
 import eqxrules
 
-from . import networks as nets
+from . import learned, networks as nets
 from .baselines import build_variants
 from .config import Sizes
 
@@ -90,7 +90,9 @@ def cases_for(
         variants = build_variants(rule, kw)
         kind = classify(rule, kw, sizes.width)
         label = rule_label(rule)
-        if kind == "mlp":
+        if learned.is_learned(rule):
+            out.append(_qat_case(entry.name, i, label, rule, variants, sizes))
+        elif kind == "mlp":
             out.append(_mlp_case(entry.name, i, label, variants, dyn, sizes))
             if cnn:
                 out.append(_cnn_case(entry.name, i, label, variants, dyn, sizes))
@@ -99,6 +101,14 @@ def cases_for(
         else:
             out.append(_batched_case(entry, i, label, rule, variants, sizes))
     return out
+
+
+def _qat_case(name, i, label, rule, variants, sizes) -> Case:
+    """A learned quantiser: its step is trained, so it is a parameter."""
+    scenario, losses, params, data, n_act = learned.qat_case_parts(
+        rule, variants, sizes
+    )
+    return Case(name, i, label, scenario, losses, params, data, n_act)
 
 
 def _mlp_case(name, i, label, variants, dyn, sizes) -> Case:

@@ -16,7 +16,11 @@ from ._catalogue import (
     partial_jvp as partial_jvp,
 )
 from ._hyper import hyperparameter as hyperparameter
-from ._layers import Quantized as Quantized, quantize as quantize
+from ._layers import (
+    Quantized as Quantized,
+    calibrate as calibrate,
+    quantize as quantize,
+)
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._rules import __all__ as _rule_names
 
@@ -31,6 +35,7 @@ __all__ = [  # pyright: ignore[reportUnsupportedDunderAll]
     "Quantized",
     "Rule",
     "VJPRule",
+    "calibrate",
     "catalogue",
     "functional",
     "hyperparameter",

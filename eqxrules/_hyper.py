@@ -175,6 +175,38 @@ finite_nonzero = Check(
 )
 
 
+def _concrete(v: Any, test: Callable[[np.ndarray], Any]) -> bool:
+    if isinstance(v, core.Tracer):  # checked where it is concrete
+        return True
+    return bool(test(np.asarray(v, np.float64)))
+
+
+float_or_array = Check(
+    "be a real number or a floating-point array",
+    lambda v, _: (
+        _is_real(v)
+        or (
+            isinstance(v, (np.ndarray, jax.Array))
+            and np.issubdtype(v.dtype, np.floating)
+        )
+    ),
+    TypeError,
+    ("2", True, np.array([1, 2])),
+)
+positive_everywhere = Check(
+    "be finite and positive everywhere",
+    lambda v, _: _concrete(v, lambda a: np.all(np.isfinite(a) & (a > 0))),
+    bad=(0.0, -1.0, _NAN, _INF, np.array([0.5, 0.0, 1.0], np.float32)),
+    after=(float_or_array,),
+)
+finite_everywhere = Check(
+    "be finite everywhere",
+    lambda v, _: _concrete(v, lambda a: np.all(np.isfinite(a))),
+    bad=(_NAN, -_INF, np.array([0.5, _NAN], np.float32)),
+    after=(float_or_array,),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Declaration:
     """What `hyperparameter` records on a field."""
@@ -228,10 +260,35 @@ def hyperparameter(
         args = tuple(rest)
     if not args or not all(isinstance(c, Check) for c in args):
         raise TypeError("`hyperparameter`: give a default, then one or more checks.")
-    metadata = {"hyperparameter": Declaration(tuple(args), allow_none, positional)}
+    metadata = {
+        "hyperparameter": Declaration(tuple(args), allow_none, positional),
+        **kwargs.pop("metadata", {}),
+    }
     if default is not _MISSING:
         kwargs["default"] = default
     return eqx.field(static=static, metadata=metadata, **kwargs)
+
+
+def parameter(*args: Any, allow_none: bool = False, **kwargs: Any) -> Any:
+    """Declare a learnable parameter: an array field that is trained (a learned
+    step size, say), validated like a hyperparameter, `parameter(default, *checks)`
+    or `parameter(*checks)`.
+
+    Unlike a hyperparameter it is dynamic: its arrays are pytree leaves, trained by
+    `optax` with the rest of a model, and their tangents reach the rule's `tangent`
+    in `t_self`. In the derived functional form a parameter without a default is
+    positional, after the inputs (`lsq_quantize(x, step, *, bits)`); one with a
+    default is keyword-only, like a hyperparameter.
+    """
+    metadata = {**kwargs.pop("metadata", {}), "parameter": True}
+    return hyperparameter(
+        *args, allow_none=allow_none, static=False, metadata=metadata, **kwargs
+    )
+
+
+def parameters(cls: type) -> list[str]:
+    """The names of the fields of `cls` declared with [`parameter`][]."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("parameter")]
 
 
 def declarations(cls: type) -> dict[str, Declaration]:
@@ -323,7 +380,9 @@ __all__ = [
     "check_fields",
     "declarations",
     "finite",
+    "finite_everywhere",
     "finite_nonzero",
+    "float_or_array",
     "function",
     "greater_than",
     "hyperparameter",
@@ -332,6 +391,9 @@ __all__ = [
     "non_negative",
     "number_or_array",
     "one_of",
+    "parameter",
+    "parameters",
     "positive",
+    "positive_everywhere",
     "real",
 ]

@@ -1,5 +1,11 @@
-"""Layers built from rules: `Quantized` wraps a layer with a `weight`, and `quantize`
-wraps every such layer of a model."""
+"""Layers built from rules: `Quantized` wraps a layer with a `weight`, `quantize`
+wraps every such layer of a model, and `calibrate` initialises learned input
+quantisers from data.
+
+A quantiser with learned parameters (an [`LSQ`][] step, say) joins in through one
+method, `initialised_from(array) -> quantiser`: a copy of itself fitted to `array`.
+`quantize` calls it on each layer's weight, `calibrate` on each layer's input;
+nothing here names a quantiser."""
 
 from __future__ import annotations
 
@@ -8,7 +14,9 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from ._catalogue import call_with_key
@@ -39,6 +47,11 @@ class Quantized(eqx.Module):
     - `kernel_quantizer`: a callable applied to the weight, e.g. `eqxrules.SteSign()`.
         `None` leaves the weight as it is.
     - `input_quantizer`: a callable applied to the input. `None` leaves it as it is.
+
+    A learned quantiser ([`LSQ`][], [`PACT`][]) keeps its step as an array leaf of
+    this Module, so an optimiser trains it with the weight. Built directly, it is
+    used as given; [`quantize`][] fits it to the layer's weight, and
+    [`calibrate`][] an input quantiser to the layer's input.
 
     Called with `key=`, as `eqx.nn.Sequential` calls it, the key is split in three:
     for `input_quantizer`, `kernel_quantizer` and `layer`, in that order. Each gets
@@ -126,7 +139,12 @@ def quantize(
     **Arguments:**
 
     - `model`: any pytree of layers, e.g. an `eqx.nn.MLP` or `eqx.nn.Sequential`.
-    - `kernel_quantizer`, `input_quantizer`: as for [`Quantized`][].
+    - `kernel_quantizer`, `input_quantizer`: as for [`Quantized`][]. A learned
+        kernel quantiser (one with an `initialised_from` method, as [`LSQ`][] and
+        [`PACT`][] have) is fitted to each layer's own weight, so every layer gets
+        its own learnable step (per output channel, the weight's axis 0 in
+        `Linear` and `Conv1d/2d/3d`, if the quantiser has `axis=0`). A learned input
+        quantiser is fitted with [`calibrate`][].
     - `where`: a predicate choosing the layers to wrap. Default: every
         `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`).
 
@@ -166,12 +184,115 @@ def quantize(
 
     def wrap(layer: Any) -> Quantized:
         return Quantized(
-            layer, kernel_quantizer=kernel_quantizer, input_quantizer=input_quantizer
+            layer,
+            kernel_quantizer=_initialised(kernel_quantizer, layer.weight),
+            input_quantizer=input_quantizer,
         )
 
     return eqx.tree_at(
         lambda m: [_get(m, path) for path in paths], model, replace_fn=wrap
     )
+
+
+def _initialised(quantizer: Any, array: Array) -> Any:
+    """`quantizer` fitted to `array` if it is learned (has `initialised_from`)."""
+    fit = getattr(quantizer, "initialised_from", None)
+    return quantizer if fit is None else fit(array)
+
+
+def calibrate(
+    model: _M, x: Any, *, vmap: bool = True, key: PRNGKeyArray | None = None
+) -> _M:
+    r"""Initialise every learned input quantiser of `model` from the input its layer
+    sees on a calibration batch `x`.
+
+    The model runs once, jitted, with each [`Quantized`][] layer's learned input
+    quantiser (one with an `initialised_from` method, as [`LSQ`][] and [`PACT`][]
+    have) replaced by a recorder that passes its input on unquantised and copies
+    it to the host (`jax.debug.callback`); each is then fitted to everything its
+    layer saw (for `LSQ`, the step
+    $2\,\overline{\lvert v\rvert}/\sqrt{Q_p}$; for `PACT`, $\alpha = \max v$).
+    Weight quantisers are applied as they are.
+
+    **Arguments:**
+
+    - `model`: a model holding `Quantized` layers, e.g. from [`quantize`][].
+    - `x`: a batch of inputs.
+    - `vmap`: `True` (default) if `model` takes one example, so it is applied to
+        the batch with `jax.vmap`; `False` to call `model(x)` as it is (a model
+        that maps over the batch itself, with `jax.vmap` or otherwise).
+    - `key`: a PRNG key passed to the model, if it takes one.
+
+    **Returns:**
+
+    A copy of `model` with its learned input quantisers fitted. Unchanged if it has
+    none.
+
+    !!! Example
+
+        ```python
+        mlp = eqx.nn.MLP(64, 10, 128, 2, key=jax.random.key(0))
+        q = eqxrules.quantize(
+            mlp, kernel_quantizer=eqxrules.LSQ(1.0, bits=4, axis=0),
+            input_quantizer=eqxrules.LSQ(1.0, bits=4),
+        )
+        q = eqxrules.calibrate(q, x_train[:256])
+        ```
+    """
+
+    def is_quantized(node: Any) -> bool:
+        return isinstance(node, Quantized)
+
+    def learned(m: Any) -> list[Quantized]:
+        nodes = jtu.tree_leaves(m, is_leaf=is_quantized)
+        return [
+            n
+            for n in nodes
+            if is_quantized(n) and hasattr(n.input_quantizer, "initialised_from")
+        ]
+
+    layers = learned(model)
+    if not layers:
+        return model
+
+    # Each recorder sends its input to the host with `jax.debug.callback`, which
+    # sees one example at a time however the model maps over the batch (the
+    # calibration's `vmap`, or the model's own).
+    seen: list[list[np.ndarray]] = [[] for _ in layers]
+
+    def recorder(i: int) -> Callable[[Array], Array]:
+        def record(h: Array) -> Array:
+            jax.debug.callback(lambda a: seen[i].append(np.asarray(a)), h)
+            return h
+
+        return record
+
+    recording = eqx.tree_at(
+        lambda m: [n.input_quantizer for n in learned(m)],
+        model,
+        [recorder(i) for i in range(len(layers))],
+    )
+
+    def run(x: Any) -> Any:
+        return call_with_key(recording, x, key)  # pyright: ignore[reportArgumentType]
+
+    # One compiled program (eagerly, each operation would compile its own).
+    jax.block_until_ready(eqx.filter_jit(jax.vmap(run) if vmap else run)(x))
+    jax.effects_barrier()
+    fitted = []
+    for layer, inputs in zip(layers, seen):
+        if not inputs:
+            fitted.append(layer.input_quantizer)
+            continue
+        # Every input the layer saw, stacked along a new first axis (so an `axis`
+        # of an input quantiser is best counted from the end); flattened and
+        # joined if their shapes differ.
+        if len({a.shape for a in inputs}) == 1:
+            samples = jnp.asarray(np.stack(inputs))
+        else:
+            samples = jnp.asarray(np.concatenate([a.reshape(-1) for a in inputs]))
+        fitted.append(_initialised(layer.input_quantizer, samples))
+    return eqx.tree_at(lambda m: [n.input_quantizer for n in learned(m)], model, fitted)
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:

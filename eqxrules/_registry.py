@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from ._hyper import declarations, undeclared
+from ._hyper import declarations, parameters, undeclared
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -166,26 +166,39 @@ def functional(rule: type) -> Callable[[_F], _F]:
 
 
 def _derived_form(rule: type) -> Callable[..., Any]:
-    """`name(x, [key,] positional hyperparameters..., *, hyperparameters...)`: builds
-    `rule` from the hyperparameters given (the Module's own defaults for the others)
-    and calls it. A hyperparameter is keyword-only unless declared with
-    `hyperparameter(..., positional=True)`."""
+    """`name(x, [parameters...,] [key,] positional hyperparameters..., *,
+    hyperparameters...)`: builds `rule` from the arguments given (the Module's own
+    defaults for the others) and calls it. Learnable
+    [`parameter`][eqxrules._hyper.parameter]s without a default (a learned step,
+    say) are positional after the inputs; a hyperparameter is keyword-only unless
+    declared with `hyperparameter(..., positional=True)`."""
     name = functional_name(rule)
     inputs = primal_arity(rule) or ("x",)
     P = inspect.Parameter
     params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in inputs]
+    learnable = set(parameters(rule))
+    positional = [
+        f
+        for f in dataclasses.fields(rule)
+        if f.name in learnable and f.default is dataclasses.MISSING
+    ]
+    params += [
+        P(f.name, P.POSITIONAL_OR_KEYWORD, annotation=f.type) for f in positional
+    ]
     needs_key = key_parameter(rule)
     if needs_key == "required":
         params.append(P("key", P.POSITIONAL_OR_KEYWORD))
-    elif needs_key == "optional":
-        params.append(P("key", P.KEYWORD_ONLY, default=None))
     fields = [f.name for f in dataclasses.fields(rule)]
     declared = declarations(rule)
     for f in dataclasses.fields(rule):
+        if f in positional:
+            continue
         default = P.empty if f.default is dataclasses.MISSING else f.default
         by_position = f.name in declared and declared[f.name].positional
         kind = P.POSITIONAL_OR_KEYWORD if by_position else P.KEYWORD_ONLY
         params.append(P(f.name, kind, default=default, annotation=f.type))
+    if needs_key == "optional":
+        params.append(P("key", P.KEYWORD_ONLY, default=None))
     try:
         signature = inspect.Signature(params)
     except ValueError as e:

@@ -105,6 +105,7 @@ SC = "eqxrules/_rules/scaled.py"
 EX = "eqxrules/_rules/_exact.py"
 EW = "eqxrules/_rules/_elementwise.py"
 CAT = "eqxrules/_catalogue.py"
+LE = "eqxrules/_rules/learned.py"
 
 MUTATIONS = [
     # Flip a boundary from <= to < (or >= to >).
@@ -164,6 +165,24 @@ MUTATIONS = [
         CAT,
         "t_out = rule.tangent(tuple(args), tuple(t_args), t_rule, out, **kwargs)",
         "t_out = rule.tangent(tuple(args), tuple(t_args), None, out, **kwargs)",
+    ),
+    # A learned step's derivative (through `t_self`): the wrong sign at the upper
+    # clip, and the gradient scale g forgotten.
+    Mutation(
+        "lsq-step-sign-upper-clip",
+        "step derivative",
+        "lsq_quantize",
+        LE,
+        "jnp.where(u >= qp, qp, jnp.round(u) - u)",
+        "jnp.where(u >= qp, -qp, jnp.round(u) - u)",
+    ),
+    Mutation(
+        "lsq-missing-grad-scale",
+        "step derivative",
+        "lsq_quantize",
+        LE,
+        "terms.append((self._g(x) * ds) * t_s)",
+        "terms.append(ds * t_s)",
     ),
     # Scale a (co)tangent.
     _patch("scale-ste_sign", "scale", "ste_sign", SIGN, "SteSign", "tangent", SCALE),

@@ -27,7 +27,7 @@ import pytest
 from conftest import CALL_KEY, ENTRIES, KEY, examples as _examples, sum_loss
 
 import eqxrules
-from eqxrules._hyper import Invalid, declarations
+from eqxrules._hyper import Invalid, declarations, parameters
 from eqxrules.testing import RuleCheckError, check_rule
 
 NAN, INF = float("nan"), float("inf")
@@ -119,11 +119,13 @@ def test_invalid_hyperparameter(module, bad):
 
 def _keyword_rows() -> list[Any]:
     """The invalid rows whose every field the functional form takes by keyword
-    (`ste_sign(x, clip_value=...)`), as it does every hyperparameter."""
+    (`ste_sign(x, clip_value=...)`), as it does every hyperparameter, or, for a
+    learnable parameter, also by keyword (`lsq_quantize(x, step=..., bits=...)`)."""
     rows = []
     for entry in ENTRIES:
         params = inspect.signature(entry.function).parameters
         keyword = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        keyword |= set(parameters(entry.module)) & set(params)
         rows += [
             pytest.param(entry, bad, id=_row_id(entry.name, bad, i))
             for i, bad in enumerate(_rule_rows(entry))

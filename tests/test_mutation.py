@@ -44,6 +44,7 @@ def test_every_mutation_applies_to_the_current_sources():
         "dtype",
         "grid",
         "select",
+        "step derivative",
     } <= kinds
 
 
@@ -68,3 +69,22 @@ def test_mutation_script_catches_a_planted_boundary_flip():
     assert report["caught"] == report["planted"] == 1
     result = report["mutations"]["boundary-dorefa-one"]
     assert result["status"] == "caught" and "dorefa_quantize" in result["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lsq-step-sign-upper-clip", "lsq-missing-grad-scale"])
+def test_mutation_script_catches_a_planted_step_derivative_defect(name):
+    """A learned step's derivative is checked through the checker's parameter path:
+    a wrong sign at the upper clip, or a forgotten gradient scale, fails it."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "mutation.py"), "--only", name, "--no-control"]
+        + ["--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["caught"] == report["planted"] == 1
+    assert report["mutations"][name]["status"] == "caught"

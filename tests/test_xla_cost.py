@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import eqxrules
-from benchmarks import baselines, cases, networks, xla
+from benchmarks import baselines, cases, learned, networks, xla
 from benchmarks.config import QUICK
 
 SIZES = dataclasses.replace(QUICK, width=16, depth=2, batch=8, cnn_batch=4)
@@ -127,3 +127,42 @@ def test_quantiser_needs_no_more_than_the_trick(name):
         assert ours[0] <= trick[0] and ours[1] <= trick[1], (scenario, costs)
         hand = costs.get("hand", costs.get("quantized_hand"))
         assert ours == hand, (scenario, costs)
+
+
+@pytest.mark.parametrize(
+    "name, index", [("lsq_quantize", 0), ("lsq_quantize", 3), ("pact_quantize", 0)]
+)
+def test_learned_quantiser_costs_no_more_than_hand_written_or_the_trick(name, index):
+    """LSQ, LSQ+ and PACT in quantisation-aware training (weights, inputs and their
+    steps trained): the flops and temp bytes of a hand-written `custom_jvp` with
+    the same maths, and no more than the `stop_gradient` formulation users write
+    today (the LSQ paper's detach trick with a gradient-scaled step; PACT's clip
+    and straight-through estimator)."""
+    (case,) = cases.cases_for(ENTRIES[name], SIZES, [index], cnn=False)
+    assert "steps trained" in case.scenario
+    costs = {
+        v: _figures(case.losses[v], case.params, case.data)
+        for v in ("eqxrules", "hand", "trick")
+    }
+    ours, trick = costs["eqxrules"], costs["trick"]
+    assert ours == costs["hand"], costs
+    assert ours[0] <= trick[0] and ours[1] <= trick[1], costs
+
+
+def test_a_wasteful_step_derivative_is_told_apart():
+    """The planted defect beside the check above: LSQ whose step derivative is also
+    multiplied by `1 + 0 * sin(x)` costs more, so the equality would fail."""
+
+    class Wasteful(eqxrules.LSQ):
+        def tangent(self, args, t_args, t_self, out, **kwargs):
+            t = super().tangent(args, t_args, t_self, out, **kwargs)
+            return t * (1 + 0 * jnp.sin(args[0]))
+
+    rule = _rule("lsq_quantize")
+    wasteful = Wasteful(rule.step, bits=rule.bits)
+    figures = []
+    for r in (rule, wasteful):
+        variants = baselines.build_variants(r, {})
+        _, losses, params, data, _ = learned.qat_case_parts(r, variants, SIZES)
+        figures.append(_figures(losses["eqxrules"], params, data))
+    assert figures[0][0] < figures[1][0]
