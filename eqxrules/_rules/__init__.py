@@ -10,6 +10,7 @@ needs no edit here.
 from . import scaled as scaled
 from . import sign as sign
 from . import quantize as quantize
+from . import floats as floats
 from . import straight_through as straight_through
 from . import categorical as categorical
 from . import stop_gradient as stop_gradient
