@@ -341,6 +341,7 @@ class NVFP4Quantize(_Blocked):
         d = t * s
         y = divide(b, d)
         y = jnp.where(y > 6.0, 6.0, jnp.where(y < -6.0, -6.0, y))
-        out = jnp.where(s == 0, jnp.zeros_like(b) * b, reference_round_to(e2m1, y) * d)
+        live = s > 0  # false where s is 0, or NaN (an all-zero array: t = 0)
+        out = jnp.where(live, reference_round_to(e2m1, y) * d, jnp.zeros_like(b) * b)
         out = jnp.where(jnp.isnan(t) | (t == jnp.inf), jnp.nan, out)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
