@@ -173,7 +173,7 @@ class _Blocked(JVPRule):
                 f"blocked axis, axis {axis} of {where}, whose length is {length}."
             )
 
-    def along(self, axis: int, length: int, where: str) -> _Blocked:
+    def for_reduction_axis(self, axis: int, length: int, where: str) -> _Blocked:
         """This quantiser with its blocks along `axis` (of length `length`, in
         `where`): how `Quantized` puts weight and input blocks along a layer's
         reduction dimension."""
