@@ -12,12 +12,13 @@ import jax.tree_util as jtu
 
 import eqxrules
 
-VARIANTS = ("eqxrules", "hand", "hand_ref", "trick")
+VARIANTS = ("eqxrules", "hand", "hand_ref", "trick", "trick_same")
 VARIANT_NAMES = {
     "eqxrules": "eqxrules",
     "hand": "hand-written, same maths",
     "hand_ref": "hand-written from the references",
     "trick": "stop_gradient trick",
+    "trick_same": "stop_gradient trick, the rule's own rounding",
     "quantized_hand": "`Quantized` + hand-written rule",
 }
 
@@ -33,7 +34,8 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
       tangent is `jax.jvp` of `reference_derivative` (or a `custom_vjp` calling
       `reference_vjp`): the rule written by hand from its independent references;
     - `trick`: `d + stop_gradient(f - d)` with `f = reference_forward` and
-      `d = reference_derivative`, where the rule has a `reference_derivative`.
+      `d = reference_derivative`, where the rule has a `reference_derivative`;
+    - `trick_same`: the same with `f` the rule's own `primal` (the same rounding).
     """
     _, static = eqx.partition(rule, eqx.is_inexact_array)
     kw = dict(kwargs)
@@ -62,6 +64,16 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
             return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
 
         variants["trick"] = trick
+
+        def trick_same(dyn, x):
+            # The same trick around the rule's own value (`primal`): the
+            # `stop_gradient` way of writing the same rounding.
+            r = rebuild(dyn)
+            d = r.reference_derivative(x, **kw)
+            f = r.primal(x, **kw)
+            return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
+
+        variants["trick_same"] = trick_same
     else:
         variants["hand_ref"] = _ref_vjp(rebuild, kw)
     return variants

@@ -103,6 +103,8 @@ SG = "eqxrules/_rules/stop_gradient.py"
 GR = "eqxrules/_rules/gradient.py"
 SC = "eqxrules/_rules/scaled.py"
 CAT = "eqxrules/_catalogue.py"
+FMT = "eqxrules/_rules/_formats.py"
+FL = "eqxrules/_rules/floats.py"
 
 MUTATIONS = [
     # Flip a boundary from <= to < (or >= to >).
@@ -137,6 +139,24 @@ MUTATIONS = [
         SIGN,
         "jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0))",
         "jnp.where(x > th, 1, jnp.where(x <= -th, -1, 0))",
+    ),
+    # Round a float format's ties half away from zero, not to even.
+    Mutation(
+        "float-round-half-away",
+        "float rounding",
+        "float_quantize",
+        FMT,
+        "return jnp.round(y * pow2(-k)) * pow2(k)",
+        "v = y * pow2(-k)\n    return jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5) * pow2(k)",
+    ),
+    # Take an MX block's shared exponent with ceil instead of floor.
+    Mutation(
+        "mx-scale-ceil",
+        "block scale",
+        "mx_quantize",
+        FL,
+        "k = jnp.clip(exponent(amax) - fmt.emax, -127, 127)",
+        "k = jnp.clip(jnp.ceil(jnp.log2(amax)).astype(jnp.int32) - fmt.emax, -127, 127)",
     ),
     # Drop a parameter tangent.
     Mutation(

@@ -127,3 +127,23 @@ def test_quantiser_needs_no_more_than_the_trick(name):
         assert ours[0] <= trick[0] and ours[1] <= trick[1], (scenario, costs)
         hand = costs.get("hand", costs.get("quantized_hand"))
         assert ours == hand, (scenario, costs)
+
+
+@pytest.mark.parametrize("name", ["float_quantize", "mx_quantize", "nvfp4_quantize"])
+def test_float_quantiser_costs_no_more_than_hand_written_or_the_trick(name):
+    """The float quantisers in a network that applies them to every weight and
+    every layer input (the binarised MLP for `float_quantize`, the block-quantised
+    MLP, blocks along each reduction dimension, for MX and NVFP4): the flops and
+    temp bytes of the hand-written `custom_jvp` with the same maths, and no more
+    than the `stop_gradient` trick, either from the references or around the same
+    rounding (`trick_same`)."""
+    sizes = dataclasses.replace(SIZES, width=64)
+    (case,) = cases.cases_for(ENTRIES[name], sizes, [0], cnn=False)
+    costs = {
+        v: _figures(case.losses[v], case.params, case.data)
+        for v in ("eqxrules", "hand", "trick", "trick_same")
+    }
+    ours = costs["eqxrules"]
+    assert ours == costs["hand"], costs
+    for v in ("trick", "trick_same"):
+        assert ours[0] <= costs[v][0] and ours[1] <= costs[v][1], (v, costs)
