@@ -75,12 +75,9 @@ def exponent(y: Array) -> Array:
 
 
 def pow2(k: Array) -> Array:
-    """$2^k$ in float32, built from its bits, for integers `k` in [-127, 127]
-    (-127 gives the subnormal $2^{-127}$)."""
-    k = k.astype(jnp.int32)
-    normal = jnp.left_shift(k + 127, 23)
-    subnormal = jnp.left_shift(jnp.ones_like(k), jnp.maximum(k + 149, 0))
-    bits = jnp.where(k > -127, normal, subnormal)
+    """$2^k$ in float32, built from its bits, for integers `k` in [-126, 127] (the
+    normal range: a subnormal power of two may be flushed to zero by XLA)."""
+    bits = jnp.left_shift(k.astype(jnp.int32) + 127, 23)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
