@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 
 import eqxrules
 
-VARIANTS = ("eqxrules", "hand", "hand_ref", "trick", "trick_same")
+VARIANTS = ("eqxrules", "hand", "hand_ref", "trick")
 VARIANT_NAMES = {
     "eqxrules": "eqxrules",
     "hand": "hand-written, same maths",

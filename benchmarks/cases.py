@@ -88,6 +88,10 @@ def cases_for(
         if i >= len(all_examples):
             continue
         rule = all_examples[i]
+        if hasattr(rule, "for_reduction_axis"):
+            # As `quantize` puts it: along the last (reduction) axis of `(out, in)`
+            # weights and `(batch, in)` inputs.
+            rule = dataclasses.replace(rule, axis=-1)
         kw = rule.call_kwargs(jax.random.key(1))
         dyn, _ = eqx.partition(rule, eqx.is_inexact_array)
         variants = build_variants(rule, kw)
