@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -197,7 +199,7 @@ def _block_cases(size: int, scale: float = 1.0) -> np.ndarray:
     return np.stack(rows) * F32(scale)
 
 
-def _mx_mismatches(fmt, size, axis, dtype=np.float32, **kw) -> int:
+def _mx_mismatches(fmt, size, axis, dtype: Any = np.float32, **kw) -> int:
     x = _block_cases(size)
     if axis == 0:
         x = x.T.copy()

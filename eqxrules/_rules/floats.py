@@ -209,7 +209,9 @@ class MXQuantize(_Blocked):
     alone. The derivative is straight-through, the scales held fixed (no gradient
     through $a$), as torchao's MX QAT does. Computed in float32; the output has
     the input's dtype. Not elementwise: the length of `axis` must be a multiple of
-    `block_size` (else a `ValueError`).
+    `block_size` (else a `ValueError`). XLA flushes float32 subnormals on CPU and
+    GPU, so in a block whose largest magnitude is below about $2^{-100}$ a result
+    that would be subnormal may be a zero of its sign.
 
     In [`Quantized`][] and [`quantize`][], blocks run along the layer's reduction
     (input) dimension, whatever `axis` says: the input axis of a `Linear` weight
