@@ -20,6 +20,7 @@ VARIANT_NAMES = {
     "hand": "hand-written, same maths",
     "hand_ref": "hand-written from the references",
     "trick": "stop_gradient trick",
+    "trick_same": "stop_gradient trick, the rule's own rounding",
     "quantized_hand": "`Quantized` + hand-written rule",
     "formula_0_1_0": "the 0.1.0 grid formula (`x - lo` first), hand-written",
 }
@@ -43,6 +44,7 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
       with the rule's tangent and the value of eqxrules 0.1.0 (index from `x - lo`,
       level from `lo + (hi - lo) k / n`), which is cheaper but not exact: what the
       exact grid costs.
+    - `trick_same`: the same with `f` the rule's own `primal` (the same rounding).
     """
     _, static = eqx.partition(rule, eqx.is_inexact_array)
     kw = dict(kwargs)
@@ -74,6 +76,16 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
         user = learned.USER_TRICKS.get(type(rule))
         if user is not None:
             variants["trick"] = user(rule)
+
+        def trick_same(dyn, x):
+            # The same trick around the rule's own value (`primal`): the
+            # `stop_gradient` way of writing the same rounding.
+            r = rebuild(dyn)
+            d = r.reference_derivative(x, **kw)
+            f = r.primal(x, **kw)
+            return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
+
+        variants["trick_same"] = trick_same
     else:
         variants["hand_ref"] = _ref_vjp(rebuild, kw)
     grid = _grid(rule)

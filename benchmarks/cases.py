@@ -49,10 +49,13 @@ def rule_label(rule: Any) -> str:
 
 
 def classify(rule: Any, kw: dict[str, Any], width: int) -> str:
-    """`"mlp"` if the rule maps a `(batch, width)` float array to one of the same
-    shape and dtype (it can quantise weights and activations), `"twohead"` if it is
-    moreover the identity in value (gradient shaping), else `"batched"`."""
+    """`"blocked"` for a block quantiser (it quantises along a layer's reduction
+    dimension), `"mlp"` if the rule maps a `(batch, width)` float array to one of
+    the same shape and dtype (it can quantise weights and activations), `"twohead"`
+    if it is moreover the identity in value (gradient shaping), else `"batched"`."""
     x = jnp.asarray(np.random.default_rng(5).standard_normal((16, width)), jnp.float32)
+    if hasattr(rule, "for_reduction_axis"):
+        return "blocked"
     try:
         out = jax.eval_shape(lambda x: rule(x, **kw), x)
     except Exception:
@@ -85,6 +88,10 @@ def cases_for(
         if i >= len(all_examples):
             continue
         rule = all_examples[i]
+        if hasattr(rule, "for_reduction_axis"):
+            # As `quantize` puts it: along the last (reduction) axis of `(out, in)`
+            # weights and `(batch, in)` inputs.
+            rule = dataclasses.replace(rule, axis=-1)
         kw = rule.call_kwargs(jax.random.key(1))
         dyn, _ = eqx.partition(rule, eqx.is_inexact_array)
         variants = build_variants(rule, kw)
@@ -96,6 +103,8 @@ def cases_for(
             out.append(_mlp_case(entry.name, i, label, variants, dyn, sizes))
             if cnn:
                 out.append(_cnn_case(entry.name, i, label, variants, dyn, sizes))
+        elif kind == "blocked":
+            out.append(_block_mlp_case(entry.name, i, label, variants, dyn, sizes))
         elif kind == "twohead":
             out.append(_twohead_case(entry.name, i, label, variants, dyn, sizes))
         else:
@@ -126,6 +135,45 @@ def _mlp_case(name, i, label, variants, dyn, sizes) -> Case:
         nets.mlp_weights(sizes),
         (x, y),
         n_act,
+    )
+
+
+def _block_mlp_case(name, i, label, variants, dyn, sizes) -> Case:
+    """A block quantiser (MX, NVFP4) on every weight and every layer's input of a
+    ReLU MLP 64 → width → ... → 10, its blocks along each layer's reduction
+    dimension (the last axis of `(out, in)` weights and of `(batch, in)` inputs),
+    as `quantize` puts them."""
+    x, y = nets.digits_batch(sizes.batch)
+    dims = nets.mlp_dims(sizes)
+    rng = np.random.default_rng(0)
+    ws = [
+        jnp.asarray(rng.uniform(-1, 1, (b, a)).astype(np.float32) / np.sqrt(a))
+        for a, b in zip(dims[:-1], dims[1:])
+    ]
+
+    def make(fn):
+        q = ft.partial(fn, dyn)
+
+        def loss(ws, data):
+            x, y = data
+            h = x / 16
+            for w in ws[:-1]:
+                h = jax.nn.relu(q(h) @ q(w).T)
+            return nets.cross_entropy(q(h) @ q(ws[-1]).T, y)
+
+        return loss
+
+    n_act = sizes.batch * (64 + sizes.width * sizes.depth) + sum(w.size for w in ws)
+    return Case(
+        name,
+        i,
+        label,
+        f"block-quantised MLP {sizes.depth}x{sizes.width}, batch {sizes.batch}",
+        {v: make(fn) for v, fn in variants.items()},
+        ws,
+        (x, y),
+        n_act,
+        notes="blocks along each layer's reduction dimension",
     )
 
 

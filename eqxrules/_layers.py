@@ -53,6 +53,15 @@ class Quantized(eqx.Module):
     used as given; [`quantize`][] fits it to the layer's weight, and
     [`calibrate`][] an input quantiser to the layer's input.
 
+    Block quantisers ([`MXQuantize`][], [`NVFP4Quantize`][]) are put along the
+    layer's reduction (input) dimension, whatever their own `axis`: the weight's
+    input axis (axis 1: `in_features` of a `Linear`, the input channels of a `Conv`)
+    and the input's feature (channel) axis, as MX hardware expects. A block that
+    does not divide that dimension is a `ValueError` naming the layer, when the
+    `Quantized` is built. (Any quantiser with a method
+    `for_reduction_axis(axis, length, where)` returning the quantiser to use is
+    treated so.)
+
     Called with `key=`, as `eqx.nn.Sequential` calls it, the key is split in three:
     for `input_quantizer`, `kernel_quantizer` and `layer`, in that order. Each gets
     its part only if it takes a `key` (so [`StochasticRound`][] can quantise, and a
@@ -85,6 +94,22 @@ class Quantized(eqx.Module):
             raise TypeError(f"`Quantized`: `layer` (={self.layer!r}) must be callable.")
         _check_quantizer("Quantized", "kernel_quantizer", self.kernel_quantizer)
         _check_quantizer("Quantized", "input_quantizer", self.input_quantizer)
+        self._along_reduction(self.kernel_quantizer, "weight")
+        self._along_reduction(self.input_quantizer, "input")
+
+    def _along_reduction(self, quantizer: Any, role: str) -> Any:
+        """`quantizer`, put along the layer's reduction dimension if it asks to be
+        (a block quantiser), for the layer's weight or input (`role`)."""
+        fit = getattr(quantizer, "for_reduction_axis", None)
+        axes = _reduction_axes(self.layer)
+        if fit is None or axes is None:
+            return quantizer
+        axis, length = axes[role]
+        where = (
+            f"the {role} of `Quantized`'s layer, a {type(self.layer).__name__} with "
+            f"weight shape {tuple(self.layer.weight.shape)}"
+        )
+        return fit(axis, length, where)
 
     @property
     def quantized_layer(self) -> Any:
@@ -96,7 +121,8 @@ class Quantized(eqx.Module):
     def _quantized_layer(self, key: PRNGKeyArray | None) -> Any:
         if self.kernel_quantizer is None:
             return self.layer
-        weight = call_with_key(self.kernel_quantizer, self.layer.weight, key)
+        kernel_quantizer = self._along_reduction(self.kernel_quantizer, "weight")
+        weight = call_with_key(kernel_quantizer, self.layer.weight, key)
         return eqx.tree_at(lambda layer: layer.weight, self.layer, weight)
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
@@ -115,8 +141,23 @@ class Quantized(eqx.Module):
         else:
             input_key, kernel_key, layer_key = jax.random.split(key, 3)
         if self.input_quantizer is not None:
-            x = call_with_key(self.input_quantizer, x, input_key)
+            input_quantizer = self._along_reduction(self.input_quantizer, "input")
+            x = call_with_key(input_quantizer, x, input_key)
         return call_with_key(self._quantized_layer(kernel_key), x, layer_key)
+
+
+def _reduction_axes(layer: Any) -> dict[str, tuple[int, int]] | None:
+    """`{"weight": (axis, length), "input": (axis, length)}` of the reduction
+    dimension of a `Linear` or `Conv` (the input's axes counted from the end, so a
+    batch axis in front changes nothing); `None` for another layer."""
+    if isinstance(layer, eqx.nn.Linear):
+        n = layer.weight.shape[1]
+        return {"weight": (1, n), "input": (-1, n)}
+    if isinstance(layer, eqx.nn.Conv):
+        n = layer.weight.shape[1]
+        channels = n * layer.groups
+        return {"weight": (1, n), "input": (-1 - layer.num_spatial_dims, channels)}
+    return None
 
 
 def _has_weight_layer(node: Any) -> bool:

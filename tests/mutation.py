@@ -106,6 +106,8 @@ EX = "eqxrules/_rules/_exact.py"
 EW = "eqxrules/_rules/_elementwise.py"
 CAT = "eqxrules/_catalogue.py"
 LE = "eqxrules/_rules/learned.py"
+FMT = "eqxrules/_rules/_formats.py"
+FL = "eqxrules/_rules/floats.py"
 
 MUTATIONS = [
     # Flip a boundary from <= to < (or >= to >).
@@ -140,6 +142,24 @@ MUTATIONS = [
         SIGN,
         "jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0))",
         "jnp.where(x > th, 1, jnp.where(x <= -th, -1, 0))",
+    ),
+    # Round a float format's ties half away from zero, not to even.
+    Mutation(
+        "float-round-half-away",
+        "float rounding",
+        "float_quantize",
+        FMT,
+        "return jnp.round(y * pow2(-k)) * pow2(k)",
+        "v = y * pow2(-k)\n    return jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5) * pow2(k)",
+    ),
+    # Take an MX block's shared exponent with ceil instead of floor.
+    Mutation(
+        "mx-scale-ceil",
+        "block scale",
+        "mx_quantize",
+        FL,
+        "k = jnp.clip(exponent(amax) - fmt.emax, -127, 127)",
+        "k = jnp.clip(jnp.ceil(jnp.log2(amax)).astype(jnp.int32) - fmt.emax, -127, 127)",
     ),
     # Drop a parameter tangent.
     Mutation(

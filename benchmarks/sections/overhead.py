@@ -261,4 +261,23 @@ def _goals_against(rows: list[dict[str, Any]]) -> list[str]:
                 min=min(values),
                 max=max(values),
             )
+    same = [
+        r["figures"]
+        for r in rows
+        if "trick_same" in r["figures"] and "eqxrules" in r["figures"]
+    ]
+    if same:
+        ratios = [f["eqxrules"]["flops"] / f["trick_same"]["flops"] for f in same]
+        lines += report.fill(
+            NAME,
+            "goal_trick_same",
+            within=sum(
+                f["eqxrules"]["flops"] <= f["trick_same"]["flops"]
+                and f["eqxrules"]["temp"] <= f["trick_same"]["temp"]
+                for f in same
+            ),
+            total=len(same),
+            min=min(ratios),
+            max=max(ratios),
+        )
     return lines

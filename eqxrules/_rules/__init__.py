@@ -11,6 +11,7 @@ from . import scaled as scaled
 from . import sign as sign
 from . import quantize as quantize
 from . import learned as learned
+from . import floats as floats
 from . import straight_through as straight_through
 from . import categorical as categorical
 from . import stop_gradient as stop_gradient

@@ -1,0 +1,118 @@
+r"""The small floating-point element formats that quantisation-aware training targets
+(FP8, FP6, FP4), and exact arithmetic on them in float32.
+
+Rounding is done arithmetically, never by casting to a format's dtype: XLA cannot
+convert to every format on every backend (to FP6 on the CPU, say), nor on the oldest
+JAX eqxrules supports. For a format with $m$ mantissa bits and smallest normal
+exponent $e_\min$, the spacing of the format's values around $y$ is
+$2^{\max(\lfloor \log_2 \lvert y \rvert \rfloor,\, e_\min) - m}$; the exponent is read
+from the float32 bits (exact, unlike `log2`), and `jnp.round` (half to even) rounds
+$y$ to a multiple of that spacing. Multiplying by a power of two is exact, so the
+result is the format's nearest value, ties to the even mantissa, subnormals kept: the
+same bits as `ml_dtypes`' cast (the tests check every bfloat16 and float16 input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """An element format: `mbits` mantissa bits, smallest normal exponent `emin`,
+    largest finite value `max`; `emax` is the largest exponent (OCP MX's
+    $e_\\max^{\\text{elem}}$)."""
+
+    name: str
+    mbits: int
+    emin: int
+    max: float
+    inf: bool
+    dtype: str  # the `ml_dtypes` / JAX dtype with these semantics
+
+    @property
+    def emax(self) -> int:
+        return math.frexp(self.max)[1] - 1
+
+    def magnitudes(self) -> list[float]:
+        """Every non-negative finite value, ascending (from the definition: the
+        subnormals, then each binade up to `max`)."""
+        step = 2.0 ** (self.emin - self.mbits)
+        out = [k * step for k in range(2**self.mbits)]
+        e = self.emin
+        while True:
+            for k in range(2**self.mbits):
+                v = (1 + k / 2**self.mbits) * 2.0**e
+                if v > self.max:
+                    return out
+                out.append(v)
+            e += 1
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("e4m3", 3, -6, 448.0, False, "float8_e4m3fn"),
+        Format("e5m2", 2, -14, 57344.0, True, "float8_e5m2"),
+        Format("e3m2", 2, -2, 28.0, False, "float6_e3m2fn"),
+        Format("e2m3", 3, 0, 7.5, False, "float6_e2m3fn"),
+        Format("e2m1", 1, 0, 6.0, False, "float4_e2m1fn"),
+    )
+}
+FORMAT_NAMES = tuple(FORMATS)
+
+
+def exponent(y: Array) -> Array:
+    """$\\lfloor \\log_2 \\lvert y \\rvert \\rfloor$ of a float32 `y`, from its bits:
+    exact for normal numbers; -127 for zero and subnormals, 128 for inf and NaN."""
+    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+def pow2(k: Array) -> Array:
+    """$2^k$ in float32, built from its bits, for integers `k` in [-126, 127] (the
+    normal range: a subnormal power of two may be flushed to zero by XLA)."""
+    bits = jnp.left_shift(k.astype(jnp.int32) + 127, 23)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def round_to(fmt: Format, y: Array) -> Array:
+    """The value of `fmt` nearest the float32 `y`, ties to the even mantissa,
+    subnormals kept. `y` must be within $\\pm$`fmt.max` (or NaN, which stays NaN)."""
+    k = jnp.maximum(exponent(y), fmt.emin) - fmt.mbits
+    return jnp.round(y * pow2(-k)) * pow2(k)
+
+
+def divide(a: Array, b: Array | float) -> Array:
+    """`a / b` correctly rounded. XLA rewrites a division by a scalar broadcast
+    (a constant or not) into a multiplication by its reciprocal, which is up to an
+    ulp off; a divisor that depends on `a` is left a division. (`a` is NaN where
+    the divisor is.)"""
+    return a / jnp.where(jnp.isnan(a), a, b)
+
+
+def reference_round_to(fmt: Format, y: Array) -> Array:
+    """An independent `round_to`: the nearest of the format's values, listed from its
+    definition, by a search; a tie goes to the value of even index (its mantissa's
+    last bit is 0)."""
+    grid = jnp.asarray(fmt.magnitudes(), jnp.float32)
+    a = jnp.abs(y)
+    i = jnp.clip(jnp.searchsorted(grid, a, side="right") - 1, 0, len(grid) - 1)
+    lo, hi = grid[i], grid[jnp.minimum(i + 1, len(grid) - 1)]
+    down, up = a - lo, hi - a
+    even = (i % 2) == 0
+    pick = jnp.where((down < up) | ((down == up) & even), lo, hi)
+    pick = jnp.where(a >= grid[-1], grid[-1], pick)
+    return jnp.where(jnp.isnan(y), y, jnp.copysign(pick, y))
+
+
+def ties(fmt: Format, count: int = 3) -> list[float]:
+    """Midpoints between the format's values, from the largest down: where rounding
+    goes to even."""
+    m = fmt.magnitudes()
+    return [(a + b) / 2 for a, b in zip(m[-count - 1 : -1], m[-count:])]
