@@ -16,6 +16,7 @@ import functools
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
@@ -145,12 +146,24 @@ def grid(bits: int, lo: float, hi: float, compute: Any, out: Any) -> Grid:
     )
 
 
+def _lookup(table: np.ndarray, index: Array) -> Array:
+    """`table[index]`, the index clipped into range, sharded like `index`. With
+    sharding in types (the default of `jax.make_mesh` on recent JAX), a gather from
+    a replicated constant by a batch-sharded index must be told its output's
+    sharding, or it raises; JAX without `jax.typeof` has no sharding in types."""
+    t = jnp.asarray(table)
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return jnp.take(t, index, mode="clip")
+    return t.at[index].get(mode="clip", out_sharding=typeof(index).sharding)
+
+
 def grid_index(w: Array, g: Grid, n: int) -> Array:
     """The index of the level nearest `w` (ties to even), for any `w` of the compute
     dtype: NaN gives some index in range."""
     estimate = jnp.floor(w * g.scale + g.offset)
     j = jnp.clip(estimate, 0, n - 1).astype(jnp.int32)
-    above = w > jnp.take(g.thresholds, j, mode="clip")
+    above = w > _lookup(g.thresholds, j)
     return j + above.astype(jnp.int32)
 
 
@@ -163,7 +176,7 @@ def quantize(x: Array, bits: int, lo: float, hi: float, inside: Array) -> Array:
     w = x.astype(wide(x.dtype))
     g = grid(bits, float(lo), float(hi), w.dtype, x.dtype)
     assert g.bound < Fraction(1, 2), (bits, lo, hi)
-    level = jnp.take(g.levels, grid_index(w, g, n), mode="clip")
+    level = _lookup(g.levels, grid_index(w, g, n))
     return jnp.where(inside | (x == x), level, x)
 
 
