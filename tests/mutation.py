@@ -256,7 +256,7 @@ MUTATIONS = [
         "grid",
         "ste_quantize",
         EX,
-        'level = jnp.take(g.levels, grid_index(w, g, n), mode="clip")',
+        "level = _lookup(g.levels, grid_index(w, g, n))",
         "level = (lo + (hi - lo) * (jnp.round((jnp.clip(w, lo, hi) - lo) * "
         "(n / (hi - lo))) / n)).astype(x.dtype)",
     ),
