@@ -467,6 +467,24 @@ def check_axis(
         )
 
 
+def check_broadcasts(
+    rule: str, argument: str, value: Any, x_shape: tuple[int, ...]
+) -> None:
+    """Raise a `ValueError` naming `rule` and `argument` unless `value` broadcasts
+    to `x` of shape `x_shape` without changing it (a per-tensor or per-channel
+    parameter such as a scale or a clipping level)."""
+    shape = jnp.shape(value)
+    try:
+        ok = jnp.broadcast_shapes(x_shape, shape) == tuple(x_shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"`{rule}`: `{argument}` of shape {shape} must broadcast to `x` of shape "
+            f"{tuple(x_shape)}."
+        )
+
+
 __all__ = [
     "Domain",
     "Entry",

@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
-from .._catalogue import Domain, JVPRule, check_axis, check_float_array
+from .._catalogue import (
+    Domain,
+    JVPRule,
+    check_axis,
+    check_broadcasts,
+    check_float_array,
+)
 from .._hyper import (
     Check,
     at_least,
@@ -370,17 +376,7 @@ class PACT(JVPRule):
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         check_float_array(self.rule_name(), args)
-        shape = jnp.shape(args[0])
-        a_shape = jnp.shape(self.alpha)
-        try:
-            ok = jnp.broadcast_shapes(shape, a_shape) == shape
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"`{self.rule_name()}`: `alpha` of shape {a_shape} must broadcast to "
-                f"`x` of shape {shape}."
-            )
+        check_broadcasts(self.rule_name(), "alpha", self.alpha, jnp.shape(args[0]))
 
     def primal(self, x: Array) -> Array:
         n = 2**self.bits - 1

@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree
 
-from .._catalogue import Domain, JVPRule, call_with_key, functional, partial_jvp
+from .._catalogue import (
+    Domain,
+    JVPRule,
+    call_with_key,
+    check_broadcasts,
+    functional,
+    partial_jvp,
+)
 from .._hyper import finite_nonzero, function, hyperparameter, one_of
 
 Mode = Literal["exact", "skip_scale", "stop_input"]
@@ -75,17 +82,7 @@ class ScaledModel(JVPRule):
     def _check_call(self, args: tuple[Any, ...]) -> None:
         if len(args) != 1:
             raise TypeError(f"`ScaledModel` takes one input `x`, got {len(args)}.")
-        x_shape = jnp.shape(args[0])
-        s_shape = jnp.shape(self.scale)
-        try:
-            ok = jnp.broadcast_shapes(x_shape, s_shape) == x_shape
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"`ScaledModel`: `scale` of shape {s_shape} must broadcast to `x` of "
-                f"shape {x_shape}."
-            )
+        check_broadcasts("ScaledModel", "scale", self.scale, jnp.shape(args[0]))
 
     def primal(self, x: Array, *, key: PRNGKeyArray | None = None) -> PyTree[Array]:
         return call_with_key(self.sub_model, x / self.scale, key)
