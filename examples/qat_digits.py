@@ -12,6 +12,14 @@ are ordinary leaves of the model, trained by optax with the weights. The
 fixed-range rows use `SteQuantize` on [-1, 1] for weights and [0, 1] for inputs
 (pixels and ReLU outputs).
 
+The float-format rows (issue 14) use `MXQuantize` (blocks of 32, one power-of-two
+scale each: MXFP8 is e4m3 elements, MXFP4 e2m1) and `NVFP4Quantize` (blocks of 16,
+e4m3 scales) with their blocks along each layer's reduction dimension, 64 for the
+first layer and 32 for the others, so every block size divides; the last layer's
+10 outputs are not blocked. Beside the QAT figure (trained with the quantisers
+from the same initialisations) they show post-training quantisation: the float32
+row's trained model, per seed, quantised and evaluated without further training.
+
 Each row is one declarative `Row`: a name and the two quantisers. Adding a
 quantiser to the comparison is one line in `ROWS`.
 
@@ -45,6 +53,7 @@ class Row:
     name: str
     weights: Any = None
     inputs: Any = None
+    ptq: bool = False  # also report the trained float32 model quantised as is
 
 
 def lsq_weights(bits: int) -> eqxrules.LSQ:
@@ -61,6 +70,11 @@ def fixed(bits: int, lo: float, hi: float) -> eqxrules.SteQuantize:
     return eqxrules.SteQuantize(bits=bits, lo=lo, hi=hi)
 
 
+def mx(element_format: str) -> eqxrules.MXQuantize:
+    # Blocks of 32 along each layer's reduction dimension (64, 32, 32 here).
+    return eqxrules.MXQuantize(format=element_format, block_size=32)
+
+
 ROWS = [
     Row("float32"),
     Row("LSQ W4A4", lsq_weights(4), lsq_inputs(4)),
@@ -68,6 +82,9 @@ ROWS = [
     Row("fixed-range SteQuantize W4A4", fixed(4, -1.0, 1.0), fixed(4, 0.0, 1.0)),
     Row("fixed-range SteQuantize W2A2", fixed(2, -1.0, 1.0), fixed(2, 0.0, 1.0)),
     Row("LSQ W2 + PACT A2", lsq_weights(2), eqxrules.PACT(1.0, bits=2)),
+    Row("MXFP8 W8A8", mx("e4m3"), mx("e4m3"), ptq=True),
+    Row("MXFP4 W4 + MXFP8 A8", mx("e2m1"), mx("e4m3"), ptq=True),
+    Row("NVFP4 W4", eqxrules.NVFP4Quantize(), None, ptq=True),
 ]
 
 
@@ -81,7 +98,13 @@ def load(seed: int = 0):
 
 
 def build(row: Row, width: int, x_calibration: Array, seed: int) -> Any:
-    model = eqx.nn.MLP(64, 10, width, 2, key=jax.random.key(seed))
+    return quantized(
+        row, eqx.nn.MLP(64, 10, width, 2, key=jax.random.key(seed)), x_calibration
+    )
+
+
+def quantized(row: Row, model: Any, x_calibration: Array) -> Any:
+    """`model` with `row`'s quantisers (as is for the float row)."""
     if row.weights is None and row.inputs is None:
         return model
     model = eqxrules.quantize(
@@ -141,7 +164,7 @@ def train(row: Row, data, optim, *, seed: int, epochs: int, width: int, batch: i
             f"{losses[-1]:.4f}, test {acc:6.1%}{learned}",
             flush=True,
         )
-    return dict(accuracy=acc, losses=losses, step_trajectory=trajectory)
+    return dict(accuracy=acc, losses=losses, step_trajectory=trajectory, model=model)
 
 
 def main(quick: bool = False) -> dict:
@@ -154,7 +177,7 @@ def main(quick: bool = False) -> dict:
     epoch (None for a fixed quantiser)}}`, and `"seconds"`.
     """
     start = time.perf_counter()
-    epochs, width, batch = (2, 16, 128) if quick else (30, 32, 32)
+    epochs, width, batch = (2, 32, 128) if quick else (30, 32, 32)
     seeds = (0,) if quick else (0, 1, 2)
     data = load()
     if quick:  # two batches an epoch: quick mode checks that every row runs
@@ -162,27 +185,44 @@ def main(quick: bool = False) -> dict:
         data = (x_train[: 2 * batch], y_train[: 2 * batch]), test
     n_steps = epochs * (len(data[0][0]) // batch)
     optim = optax.adam(optax.cosine_decay_schedule(2e-3, n_steps))
+    (x_train, _), (x_test, y_test) = data
     results: dict[str, Any] = {}
+    float_models: list[Any] = []  # the float32 row's trained model, per seed
     for row in ROWS:
         runs = [
             train(row, data, optim, seed=s, epochs=epochs, width=width, batch=batch)
             for s in seeds
         ]
+        if row.weights is None and row.inputs is None:
+            float_models = [r["model"] for r in runs]
         accs = [r["accuracy"] for r in runs]
         results[row.name] = dict(
-            runs[0], accuracy=float(np.mean(accs)), accuracies=accs
+            {k: v for k, v in runs[0].items() if k != "model"},
+            accuracy=float(np.mean(accs)),
+            accuracies=accs,
         )
+        if row.ptq:  # post-training: the float model, quantised, no training
+            ptq = [
+                float(accuracy(quantized(row, m, x_train[:256]), x_test, y_test))
+                for m in float_models
+            ]
+            results[row.name].update(ptq_accuracy=float(np.mean(ptq)), ptq=ptq)
     print(
         f"\ntest accuracy, mean over seeds {seeds} (lowest, highest):\n\n"
-        "| configuration | test accuracy |\n|---|---|"
+        "| configuration | post-training | trained (QAT) |\n|---|---|---|"
     )
     for row in ROWS:
-        accs = results[row.name]["accuracies"]
-        spread = f" ({min(accs):.1%}, {max(accs):.1%})" if len(accs) > 1 else ""
-        print(f"| {row.name} | {results[row.name]['accuracy']:.1%}{spread} |")
+        r = results[row.name]
+        post = _cell(r["ptq"]) if row.ptq else "—"
+        print(f"| {row.name} | {post} | {_cell(r['accuracies'])} |")
     results["seconds"] = time.perf_counter() - start
     print(f"wall time {results['seconds']:.1f} s")
     return results
+
+
+def _cell(accs: list[float]) -> str:
+    spread = f" ({min(accs):.1%}, {max(accs):.1%})" if len(accs) > 1 else ""
+    return f"{np.mean(accs):.1%}{spread}"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def test_straight_through_vq_loss_falls(load_example, capsys):
 def test_qat_digits_trains_every_row_and_prints_the_table(load_example, capsys):
     """Quick mode of the issue-11 example: every row trains (one progress line per
     epoch, the loss falls), the learned steps move under optax while the fixed
-    rows have none, and the table lists every row."""
+    rows have none, and the table lists every row; the float-format rows (issue 14)
+    also report the trained float32 model quantised without training."""
     example = load_example("qat_digits")
     results = example.main(quick=True)
     lines = capsys.readouterr().out.splitlines()
@@ -41,6 +42,14 @@ def test_qat_digits_trains_every_row_and_prints_the_table(load_example, capsys):
         assert r["losses"][-1] < r["losses"][0], row.name
         assert 0.0 <= r["accuracy"] <= 1.0
         assert any(ln.startswith(f"| {row.name} | ") for ln in lines), row.name
+        if row.ptq:
+            assert r["ptq"] and 0.0 <= r["ptq_accuracy"] <= 1.0, row.name
+            assert any(
+                ln.startswith(f"| {row.name} | {r['ptq_accuracy']:.1%} | ")
+                for ln in lines
+            ), row.name
+        else:
+            assert "ptq" not in r, row.name
         steps = r["step_trajectory"]
         learned = hasattr(row.inputs, "initialised_from")
         if learned:
@@ -48,3 +57,10 @@ def test_qat_digits_trains_every_row_and_prints_the_table(load_example, capsys):
         else:
             assert set(steps) == {None}, row.name
     assert any(hasattr(row.inputs, "initialised_from") for row in example.ROWS)
+    kinds = {
+        type(q).__name__
+        for row in example.ROWS
+        if row.ptq
+        for q in (row.weights, row.inputs)
+    }
+    assert {"MXQuantize", "NVFP4Quantize"} <= kinds
