@@ -245,7 +245,7 @@ def hyperparameter(
     **Arguments:**
 
     - `default`: the default value (omit it for a required hyperparameter).
-    - `*checks`: the [`Check`][]s it must pass, e.g. `non_negative`.
+    - `*checks`: the `Check`s it must pass, e.g. `non_negative`.
     - `allow_none`: whether `None` is also accepted.
     - `static`: `True` (the default) for a static field: a Python value that is part
         of the pytree structure. `False` for a dynamic one, such as a wrapped

@@ -114,7 +114,7 @@ class LSQ(JVPRule):
 
     - `step`: $s$, a positive float or floating-point array: a scalar per tensor,
         or a 1-D array with one step per channel along `axis`. Only an array is a
-        trainable leaf (what [`LSQ.from_data`][] gives).
+        trainable leaf (what [`LSQ.from_data`][eqxrules.LSQ.from_data] gives).
     - `bits`: an integer $b \ge 2$ if `signed`, $\ge 1$ if not.
     - `signed`: `True` for levels $-Q_n \dots Q_p$, `False` for $0 \dots 2^b - 1$.
     - `grad_scale`: $g$, a positive number, or `None` for $1/\sqrt{N Q_p}$
@@ -301,7 +301,7 @@ class LSQ(JVPRule):
 
     def initialised_from(self, x: ArrayLike) -> LSQ:
         """This quantiser with its step initialised from data `x` as in
-        [`LSQ.from_data`][] (what [`quantize`][] and [`calibrate`][] call)."""
+        [`LSQ.from_data`][eqxrules.LSQ.from_data] (what [`quantize`][] and [`calibrate`][] call)."""
         x = jnp.asarray(x)
         if self.axis is None:
             axes = None

@@ -27,3 +27,15 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module(f"{__name__}.strategies")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CHECKS",
+    "DEFAULT_TOLERANCES",
+    "FINITE_DIFFERENCE_TOLERANCES",
+    "CheckResult",
+    "RuleCheckError",
+    "RuleReport",
+    "check_rule",
+    "strategies",
+]
