@@ -467,12 +467,9 @@ def check_axis(
         )
 
 
-def check_broadcasts(
-    rule: str, argument: str, value: Any, x_shape: tuple[int, ...]
-) -> None:
-    """Raise a `ValueError` naming `rule` and `argument` unless `value` broadcasts
-    to `x` of shape `x_shape` without changing it (a per-tensor or per-channel
-    parameter such as a scale or a clipping level)."""
+def check_broadcasts(rule: str, argument: str, value: Any, x_shape: Any) -> None:
+    """Raise a `ValueError` naming `rule` and `argument` unless `value` (a scale, a
+    clipping level) broadcasts to `x` of shape `x_shape` without changing it."""
     shape = jnp.shape(value)
     try:
         ok = jnp.broadcast_shapes(x_shape, shape) == tuple(x_shape)
