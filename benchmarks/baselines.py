@@ -66,26 +66,22 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
     if has_derivative:
         variants["hand_ref"] = _ref_jvp(rebuild, kw)
 
-        def trick(dyn, x):
-            r = rebuild(dyn)
-            d = r.reference_derivative(x, **kw)
-            f = r.reference_forward(x, **kw)
-            return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
+        def trick_around(value: str) -> Callable:
+            # `d + stop_gradient(f - d)`, with `f` the rule's method `value`.
+            def trick(dyn, x):
+                r = rebuild(dyn)
+                d = r.reference_derivative(x, **kw)
+                f = getattr(r, value)(x, **kw)
+                return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
 
-        variants["trick"] = trick
+            return trick
+
+        variants["trick"] = trick_around("reference_forward")
         user = learned.USER_TRICKS.get(type(rule))
         if user is not None:
             variants["trick"] = user(rule)
-
-        def trick_same(dyn, x):
-            # The same trick around the rule's own value (`primal`): the
-            # `stop_gradient` way of writing the same rounding.
-            r = rebuild(dyn)
-            d = r.reference_derivative(x, **kw)
-            f = r.primal(x, **kw)
-            return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
-
-        variants["trick_same"] = trick_same
+        # The same trick around the rule's own value: the same rounding.
+        variants["trick_same"] = trick_around("primal")
     else:
         variants["hand_ref"] = _ref_vjp(rebuild, kw)
     grid = _grid(rule)
