@@ -11,7 +11,9 @@ the API reference's coverage in the normal suite."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,10 @@ if str(ROOT) not in sys.path:
 
 GALLERY = "gallery.md"
 PLOTS = "gallery/plots"
+GUIDES = ROOT / "docs" / "guides"
+# How long one guide page may run: the guides are short by design (CI runs them
+# twice: in the test suite and in the strict build).
+GUIDE_TIMEOUT = 240
 
 
 def _default(field: dataclasses.Field) -> str | None:
@@ -76,6 +82,81 @@ def gallery_markdown() -> str:
     return "\n".join(lines)
 
 
+_FENCE = re.compile(
+    r"^(?P<indent>[ ]*)```python[^\n]*\n(?P<body>.*?)^(?P=indent)```[ ]*$",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+def guide_program(text: str) -> str:
+    """Every ```` ```python ```` block of a page, in order, as one program whose line
+    numbers are the page's (everything else is blank), so a traceback names the
+    page's own line. Code that is shown but not run is fenced with another language
+    (`py`, `pycon`, `text`)."""
+    lines = [""] * (text.count("\n") + 1)
+    for m in _FENCE.finditer(text):
+        first = text.count("\n", 0, m.start("body"))
+        indent = len(m["indent"])
+        for i, line in enumerate(m["body"].splitlines()):
+            lines[first + i] = line[indent:]
+    return "\n".join(lines) if any(lines) else ""
+
+
+# Runs the program read from stdin as if it were the page itself.
+_BOOT = (
+    "import sys; source = sys.stdin.read(); "
+    "exec(compile(source, sys.argv[1], 'exec'), {'__name__': '__main__'})"
+)
+
+
+def guide_pages() -> list[pathlib.Path]:
+    """The guides: every page under `docs/guides/`, each executed when the site is
+    built and in the test suite."""
+    return sorted(GUIDES.glob("*.md"))
+
+
+def start_guide(page: pathlib.Path) -> subprocess.Popen[str]:
+    """Run `page`'s program in a fresh Python process, from the repository root
+    (so `examples` imports), with no plotting window."""
+    program = guide_program(page.read_text())
+    if not program:
+        raise ValueError(f"{page}: a guide must have at least one ```python block.")
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
+    source = tempfile.TemporaryFile("w+")
+    source.write(program)
+    source.seek(0)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _BOOT, str(page)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=source,
+        text=True,
+    )
+    source.close()  # the child has its own handle
+    return process
+
+
+def finish_guide(page: pathlib.Path, process: subprocess.Popen[str]) -> str | None:
+    """`None` if `page`'s program ran cleanly, else why not (with its output)."""
+    try:
+        out, _ = process.communicate(timeout=GUIDE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, _ = process.communicate()
+        return f"{page.name}: ran past {GUIDE_TIMEOUT} s\n{out[-3000:]}"
+    if process.returncode != 0:
+        return (
+            f"{page.name}: its code raised (exit {process.returncode})\n{out[-3000:]}"
+        )
+    return None
+
+
+def run_guide(page: pathlib.Path) -> str | None:
+    return finish_guide(page, start_guide(page))
+
+
 def generated_pages() -> dict[str, str]:
     """The pages this hook adds to the site, by path under `docs/`."""
     return {GALLERY: gallery_markdown()}
@@ -108,8 +189,35 @@ def on_files(files: Any, config: Any) -> Any:
     return files
 
 
+_guides: dict[pathlib.Path, subprocess.Popen[str]] = {}
+
+
+def on_pre_build(config: Any) -> None:
+    # Every guide runs while the site builds, side by side; a guide whose code
+    # raises fails the build in `on_post_build`.
+    for page in guide_pages():
+        _guides[page] = start_guide(page)
+
+
 def on_post_build(config: Any) -> None:
+    from mkdocs.exceptions import PluginError
+
     global _tmp
     if _tmp is not None:
         _tmp.cleanup()
         _tmp = None
+    failures = [finish_guide(p, proc) for p, proc in _guides.items()]
+    _guides.clear()
+    failed = [f for f in failures if f is not None]
+    if failed:
+        raise PluginError("guides whose code fails:\n" + "\n\n".join(failed))
+
+
+if __name__ == "__main__":
+    # `python scripts/docs_hooks.py docs/guides/PAGE.md ...`: run guides as the
+    # build does.
+    problems = [run_guide(pathlib.Path(p).resolve()) for p in sys.argv[1:]]
+    for problem in problems:
+        if problem:
+            print(problem, file=sys.stderr)
+    sys.exit(1 if any(problems) else 0)

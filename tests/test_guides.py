@@ -1,0 +1,66 @@
+"""The guides under docs/guides/ are runnable pages: every ```python block of a page
+runs, in order, in one fresh process (scripts/docs_hooks.py, which the strict site
+build also uses). A guide whose code raises fails here and fails the build."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location(
+        "docs_hooks", ROOT / "scripts" / "docs_hooks.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HOOKS = _hooks()
+PAGES = HOOKS.guide_pages()
+
+
+def test_there_are_guides():
+    assert len(PAGES) >= 1
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_guide_runs(page):
+    assert HOOKS.run_guide(page) is None
+
+
+def test_a_raising_guide_fails_and_names_its_block(tmp_path):
+    # Planted defect: the second block raises.
+    page = tmp_path / "broken.md"
+    page.write_text(
+        "# Broken\n\n```python\nx = 1\n```\n\nText.\n\n"
+        "```python\nassert x == 2, 'planted'\n```\n\n```py\nnot run(\n```\n"
+    )
+    problem = HOOKS.run_guide(page)
+    assert problem is not None
+    assert "broken.md" in problem and "planted" in problem
+    assert 'broken.md", line 10' in problem
+
+
+def test_only_python_blocks_run_and_indented_blocks_too():
+    text = (
+        "```py\nraise SystemExit(3)\n```\n"
+        "!!! Example\n\n    ```python\n    y = 2\n    ```\n"
+        "```python\nprint(y)\n```\n"
+    )
+    program = HOOKS.guide_program(text)
+    assert "SystemExit" not in program
+    assert "y = 2\n" in program and "print(y)" in program
+
+
+def test_a_guide_without_code_is_refused(tmp_path):
+    page = tmp_path / "empty.md"
+    page.write_text("# Nothing to run\n\n```py\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="at least one"):
+        HOOKS.run_guide(page)
