@@ -3,7 +3,7 @@ checked against a reference."""
 
 from typing import TYPE_CHECKING, Any
 
-from . import testing as testing
+from . import checks as checks, testing as testing
 from ._catalogue import (
     Domain as Domain,
     Entry as Entry,
@@ -15,7 +15,7 @@ from ._catalogue import (
     functional as functional,
     partial_jvp as partial_jvp,
 )
-from ._hyper import hyperparameter as hyperparameter
+from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import (
     Quantized as Quantized,
     calibrate as calibrate,
@@ -37,8 +37,10 @@ __all__ = [  # pyright: ignore[reportUnsupportedDunderAll]
     "VJPRule",
     "calibrate",
     "catalogue",
+    "checks",
     "functional",
     "hyperparameter",
+    "parameter",
     "partial_jvp",
     "quantize",
     "testing",

@@ -18,8 +18,8 @@ the whole declaration:
 
 Defining a public subclass in `eqxrules._rules` registers it in [`catalogue`][], in
 definition order, and its functional form (hyperparameters keyword-only unless
-declared `positional=True`, defaults from the fields) is derived from it. Rules defined elsewhere (yours) are registered
-only if asked, with [`functional`][].
+declared `positional=True`, defaults from the fields) is derived from it. Rules defined elsewhere (yours) are
+registered only if asked, with `functional(..., register=True)`.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Rule(eqx.Module):
         super().__init_subclass__(**kwargs)
         # Registration cannot be forgotten: every public rule class of the library's
         # rule modules is in the catalogue. A user's subclass elsewhere is not,
-        # unless it asks with `functional`.
+        # unless it asks: `functional(..., register=True)`.
         if cls.__module__.startswith(_RULES_PACKAGE) and not cls.__name__.startswith(
             "_"
         ):

@@ -141,6 +141,7 @@ def greater_than(other: str) -> Check:
 
 
 def one_of(*choices: Any) -> Check:
+    """`value in choices`."""
     return Check(
         f"be one of {choices!r}", lambda v, _: v in choices, bad=("bogus", None)
     )

@@ -136,16 +136,39 @@ def _describe_form(rule: type, fn: Callable[..., Any]) -> str:
     return f"Functional form of [`{rule.__name__}`][]: `{call}`.\n\n{rule.summary}."
 
 
-def functional(rule: type) -> Callable[[_F], _F]:
+def functional(rule: type, *, register: bool = False) -> Callable[[_F], _F]:
     """Declare `fn` as the functional form of `rule`, where the derived one (the
     inputs of `primal`, then its hyperparameters by keyword) does not fit: a wrapper
     that takes the wrapped callable first, say. `fn` must do nothing but build the
     Module and call it. Its docstring, if it has none, is derived from the rule's
     `summary`.
 
-    For a rule defined outside eqxrules, this is how it asks to join
-    `eqxrules.catalogue()`.
+    **Arguments:**
+
+    - `rule`: the rule class.
+    - `register`: for a rule defined outside eqxrules, whether it joins
+        [`catalogue`][] (and so `python -m eqxrules`). By default it does not: the
+        catalogue is the library's. Verify your own rule with
+        [`eqxrules.testing.verify_rule`][] instead.
+
+    !!! Example
+
+        ```python
+        @eqxrules.functional(Twice)
+        def twice(x, *, factor=2.0):
+            return Twice(factor=factor)(x)
+        ```
     """
+    if not isinstance(rule, type):
+        raise TypeError(
+            f"`functional`: `rule` must be a rule class, not "
+            f"{type(rule).__name__} (={rule!r})."
+        )
+    if not isinstance(register, bool):
+        raise TypeError(
+            f"`functional`: `register` must be a bool, not "
+            f"{type(register).__name__} (={register!r})."
+        )
 
     def decorator(fn: _F) -> _F:
         if rule.__dict__.get("function") is not None:
@@ -158,7 +181,7 @@ def functional(rule: type) -> Callable[[_F], _F]:
         if not fn.__doc__:
             fn.__doc__ = _describe_form(rule, fn)
         rule.function = fn  # type: ignore[attr-defined]
-        if rule not in _REGISTRY:
+        if register and rule not in _REGISTRY:
             _REGISTRY.append(rule)
         return fn
 
@@ -349,12 +372,13 @@ class Entry:
         return fn, (rule, x), references
 
 
-def _entry(rule: Any) -> Entry:
+def _entry(rule: Any, function: Callable[..., Any] | None = None) -> Entry:
+    function = rule.function if function is None else function
     kinks = {k for r in rule.examples(jax.random.key(0)) for k in r.kinks()}
     return Entry(
-        name=rule.function.__name__,
+        name=function.__name__,
         module=rule,
-        function=rule.function,
+        function=function,
         summary=rule.summary,
         forward_mode=rule.forward_mode,
         exact=rule.exact,
@@ -367,9 +391,18 @@ def _entry(rule: Any) -> Entry:
 _ENTRIES: dict[type, Entry] = {}
 
 
+def entry_of(rule: type) -> Entry:
+    """`rule`'s [`Entry`][], registered or not: a rule outside the catalogue gets
+    its derived functional form here without being given it (or joining)."""
+    if rule in _REGISTRY:
+        return next(e for e in catalogue() if e.module is rule)
+    function = rule.__dict__.get("function")
+    return _entry(rule, rule.function if function is not None else _derived_form(rule))
+
+
 def catalogue() -> tuple[Entry, ...]:
-    """Every rule eqxrules ships (and any you registered with `functional`), in
-    declaration order.
+    """Every rule eqxrules ships (and any you registered with
+    `functional(..., register=True)`), in declaration order.
 
     **Returns:**
 

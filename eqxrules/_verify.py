@@ -1,18 +1,21 @@
-"""What verifying a catalogue entry means, shared by `python -m eqxrules` and the
-test suite: every example instance is checked with `check_rule` at a point that
-includes its kinks (where straight-through estimators go wrong; `rule.kinks()`,
-from its hyperparameters), and, for instances whose derivative is the true one,
-against finite differences off the kinks."""
+"""What verifying a catalogue entry means, shared by `python -m eqxrules`, the test
+suite and [`eqxrules.testing.verify_rule`][]: every example instance is checked
+with `check_rule` at a point that includes its kinks (where straight-through
+estimators go wrong; `rule.kinks()`, from its hyperparameters), and, for instances
+whose derivative is the true one, against finite differences off the kinks."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from ._catalogue import Entry
+from ._catalogue import Entry, Rule
+from ._registry import entry_of, missing_parts
 from .testing import CHECKS, RuleReport, check_rule
 
 
@@ -25,6 +28,7 @@ class EntryResult:
     entry: Entry
     reports: list[RuleReport]
     seconds: float
+    labels: list[str] = dataclasses.field(default_factory=list)  # one per report
 
     @property
     def passed(self) -> bool:
@@ -63,7 +67,9 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
     k_examples, k_on, k_off, k_call = jax.random.split(key, 4)
     start = time.perf_counter()
     reports = []
-    for rule in entry.examples(k_examples):
+    labels = []
+    for i, rule in enumerate(entry.examples(k_examples)):
+        labels.append(f"example {i} ({rule!r}) at its kinks")
         domain = rule.input_domain()
         on_kinks = domain.sample(k_on, off_kinks=False)
         fn, args, refs = entry.check_arguments(rule, on_kinks, k_call)
@@ -73,6 +79,7 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
             )
         )
         if rule.is_exact():
+            labels.append(f"example {i} ({rule!r}) off its kinks")
             off_kinks = domain.sample(k_off, off_kinks=True)
             fn, args, refs = entry.check_arguments(rule, off_kinks, k_call)
             reports.append(
@@ -80,7 +87,184 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
                     fn, *args, **refs, finite_differences=True, raise_on_failure=False
                 )
             )
-    return EntryResult(entry, reports, time.perf_counter() - start)
+    return EntryResult(entry, reports, time.perf_counter() - start, labels)
 
 
-__all__ = ["CHECKS", "EntryResult", "verify"]
+@dataclasses.dataclass
+class RuleVerification:
+    """What [`verify_rule`][eqxrules.testing.verify_rule] found.
+
+    - `rule`: the rule class.
+    - `reports`: `(what was checked, RuleReport)` for each
+        [`check_rule`][eqxrules.testing.check_rule] call.
+    - `problems`: every failure, in words: declaration parts missing, failing
+        checks, a forward mode other than declared, an invalid hyperparameter
+        accepted, a dtype not kept.
+    - `seconds`: wall time.
+    """
+
+    rule: type
+    reports: list[tuple[str, RuleReport]]
+    problems: list[str]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        head = f"`{self.rule.__name__}`: "
+        if self.passed:
+            checked = len(self.reports)
+            return f"{head}passed ({checked} check_rule runs, {self.seconds:.1f} s)"
+        return (
+            head
+            + f"{len(self.problems)} problem(s)\n"
+            + "\n".join(f"- {p}" for p in self.problems)
+        )
+
+
+class RuleVerificationError(AssertionError):
+    """Raised by [`verify_rule`][eqxrules.testing.verify_rule] when a rule fails;
+    `verification` holds the [`RuleVerification`][eqxrules.testing.RuleVerification]."""
+
+    def __init__(self, verification: RuleVerification):
+        super().__init__(str(verification))
+        self.verification = verification
+
+
+def _rejects(rule: type, bad: Any) -> str | None:
+    """`None` if building `rule(**bad.kwargs)` raises `bad.error` naming the rule and
+    the argument, else what happened instead."""
+    names = (f"`{rule.__name__}`", f"`{entry_of(rule).name}`")
+    try:
+        rule(**bad.kwargs)
+    except bad.error as e:
+        message = str(e)
+        if any(n in message for n in names) and f"`{bad.argument}`" in message:
+            return None
+        return f"its message does not name the rule and `{bad.argument}`: {message}"
+    except Exception as e:  # noqa: BLE001  (reported, not raised)
+        return f"raised {type(e).__name__} instead of {bad.error.__name__}: {e}"
+    return f"was accepted (a {bad.error.__name__} is due)"
+
+
+def _keeps_dtype(entry: Entry, rule: Any, key: PRNGKeyArray) -> list[str]:
+    """An elementwise rule on bfloat16 input gives a bfloat16 value and gradient."""
+    x = rule.input_domain().sample(key, jnp.bfloat16, off_kinks=False)
+    fn, (m, x), _ = entry.check_arguments(rule, x, key)
+    out = fn(m, x)
+    grad = jax.grad(lambda x: fn(m, x).astype(jnp.float32).sum())(x)
+    return [
+        f"`{name}` is {a.dtype} for bfloat16 input (it must stay bfloat16)"
+        for name, a in (("value", out), ("gradient", grad))
+        if a.dtype != jnp.bfloat16
+    ]
+
+
+def verify_rule(
+    rule: type[Rule],
+    *,
+    key: PRNGKeyArray | None = None,
+    raise_on_failure: bool = True,
+) -> RuleVerification:
+    """Verify a rule class the way eqxrules verifies its own catalogue, without
+    adding it to the catalogue.
+
+    The battery, for a [`JVPRule`][eqxrules.JVPRule] or
+    [`VJPRule`][eqxrules.VJPRule] subclass:
+
+    1. its declaration is complete: a class docstring, `summary`, the value, the
+        derivative, `reference_forward`, `reference_derivative` or `reference_vjp`,
+        and every field declared with [`hyperparameter`][eqxrules.hyperparameter]
+        (or `parameter`);
+    2. every instance of `rule.examples(key)` passes
+        [`check_rule`][eqxrules.testing.check_rule] against the references, with
+        the Module itself as an argument (so a wrapped model's parameters and the
+        rule's learnable fields are checked), at an input that contains each of
+        its `kinks()`; an instance whose `is_exact()` is also checked against
+        finite differences away from its kinks;
+    3. it supports forward mode exactly as declared (`JVPRule` yes, `VJPRule` no);
+    4. every invalid value its field declarations imply is rejected when the
+        Module is built, with the declared `TypeError` or `ValueError` naming the
+        rule and the argument;
+    5. an `elementwise` rule keeps bfloat16: value and gradient.
+
+    **Arguments:**
+
+    - `rule`: the rule class (not an instance).
+    - `key`: a PRNG key for the examples and inputs (default `jax.random.key(0)`).
+    - `raise_on_failure`: raise [`RuleVerificationError`][eqxrules.testing.RuleVerificationError]
+        (an `AssertionError`) listing every problem, if there is one.
+
+    **Returns:**
+
+    A [`RuleVerification`][eqxrules.testing.RuleVerification].
+
+    !!! Example
+
+        ```python
+        from eqxrules.testing import verify_rule
+
+        print(verify_rule(MyRule))  # `MyRule`: passed (4 check_rule runs, 2.1 s)
+        ```
+    """
+    if not (isinstance(rule, type) and issubclass(rule, Rule)):
+        shown = type(rule).__name__ if not isinstance(rule, type) else rule.__name__
+        hint = " (pass the class, not an instance)" if isinstance(rule, Rule) else ""
+        raise TypeError(
+            "`verify_rule`: `rule` must be a subclass of `eqxrules.JVPRule` or "
+            f"`eqxrules.VJPRule`, not {shown}{hint}."
+        )
+    if not isinstance(raise_on_failure, bool):
+        raise TypeError(
+            "`verify_rule`: `raise_on_failure` must be a bool, not "
+            f"{type(raise_on_failure).__name__} (={raise_on_failure!r})."
+        )
+    key = jax.random.key(0) if key is None else key
+    start = time.perf_counter()
+    problems = [
+        f"the declaration lacks {part}"
+        for part in missing_parts(rule)
+        if not part.startswith("registration")
+    ]
+    reports: list[tuple[str, RuleReport]] = []
+    if not problems:
+        entry = entry_of(rule)
+        result = verify(entry, key)
+        reports = list(zip(result.labels, result.reports))
+        problems += [
+            f"{label}: {r.describe()}"
+            for label, report in reports
+            for r in report.results
+            if r.status == "failed"
+        ]
+        if not result.modes_match:
+            problems.append(
+                f"forward mode: declared {entry.forward_mode} (as a "
+                f"{'JVPRule' if entry.forward_mode else 'VJPRule'}), but the "
+                "checker found otherwise"
+            )
+        for bad in rule.invalid_hyperparameters(key):
+            why = _rejects(rule, bad)
+            if why is not None:
+                problems.append(f"`{bad.argument}`={bad.value!r}: {why}")
+        if entry.elementwise:
+            for i, m in enumerate(entry.examples(key)):
+                problems += [f"example {i}: {p}" for p in _keeps_dtype(entry, m, key)]
+    verification = RuleVerification(
+        rule, reports, problems, time.perf_counter() - start
+    )
+    if raise_on_failure and problems:
+        raise RuleVerificationError(verification)
+    return verification
+
+
+__all__ = [
+    "CHECKS",
+    "EntryResult",
+    "RuleVerification",
+    "RuleVerificationError",
+    "verify",
+    "verify_rule",
+]

@@ -108,9 +108,10 @@ def test_a_forgotten_part_is_named():
 
 
 def test_a_user_rule_joins_the_catalogue_only_when_asked():
-    """A `Rule` subclass defined outside eqxrules is not registered; declaring its
-    functional form with `eqxrules.functional` registers it (after the library's
-    rules). In a subprocess, so this session's catalogue stays the library's."""
+    """A `Rule` subclass defined outside eqxrules is not registered, nor is it when
+    its functional form is declared with `eqxrules.functional`; with
+    `register=True` it joins (after the library's rules). In a subprocess, so this
+    session's catalogue stays the library's."""
     code = textwrap.dedent(
         """
         import eqxrules
@@ -134,9 +135,22 @@ def test_a_user_rule_joins_the_catalogue_only_when_asked():
         def twice(x):
             return Twice()(x)
 
+        assert [e.name for e in eqxrules.catalogue()] == before
+        assert twice(2.0) == 4.0
+
+        class Thrice(Twice):
+            "Thrice the value."
+            summary = "3x"
+            def primal(self, x):
+                return 3 * x
+
+        @eqxrules.functional(Thrice, register=True)
+        def thrice(x):
+            return Thrice()(x)
+
         after = [e.name for e in eqxrules.catalogue()]
-        assert after == before + ["twice"], after
-        assert "twice" not in eqxrules.__all__
+        assert after == before + ["thrice"], after
+        assert "thrice" not in eqxrules.__all__
         print("ok")
         """
     )

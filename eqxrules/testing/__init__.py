@@ -1,7 +1,9 @@
 """`eqxrules.testing`: prove any custom derivative rule against references.
 
-It knows nothing of the catalogue: it checks any callable. The catalogue's own tests
-and `python -m eqxrules` are built on it.
+[`check_rule`][eqxrules.testing.check_rule] knows nothing of the catalogue: it
+checks any callable. The catalogue's own tests and `python -m eqxrules` are built on
+it, and [`verify_rule`][eqxrules.testing.verify_rule] runs the catalogue's battery
+on any rule class.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -13,6 +15,14 @@ from ._report import (
     CheckResult as CheckResult,
     RuleCheckError as RuleCheckError,
     RuleReport as RuleReport,
+)
+
+# isort: split
+# The catalogue's battery for one rule class: it imports the checker above.
+from .._verify import (
+    RuleVerification as RuleVerification,
+    RuleVerificationError as RuleVerificationError,
+    verify_rule as verify_rule,
 )
 
 if TYPE_CHECKING:
@@ -36,6 +46,9 @@ __all__ = [
     "CheckResult",
     "RuleCheckError",
     "RuleReport",
+    "RuleVerification",
+    "RuleVerificationError",
     "check_rule",
     "strategies",
+    "verify_rule",
 ]

@@ -1,0 +1,147 @@
+"""`eqxrules.testing.verify_rule`: the catalogue's battery on a user's rule class,
+without registering it. Each part of the battery is shown to fail on a planted
+defect."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqxrules
+from eqxrules import hyperparameter
+from eqxrules.checks import positive
+from eqxrules.testing import RuleVerificationError, verify_rule
+
+
+class Scale(eqxrules.JVPRule):
+    r"""Multiply by a positive `factor`: $y = a x$, $\dot y = a \dot x$."""
+
+    factor: float = hyperparameter(2.0, positive)
+
+    summary: ClassVar[str] = "a·x, a = factor"
+    exact: ClassVar[bool] = True
+
+    def primal(self, x):
+        return self.factor * x
+
+    def tangent(self, args, t_args, t_self, out):
+        return None if t_args[0] is None else self.factor * t_args[0]
+
+    def reference_forward(self, x):
+        return self.factor * x
+
+    def reference_derivative(self, x):
+        return self.factor * x
+
+    @classmethod
+    def examples(cls, key):
+        return [cls(), cls(factor=0.5)]
+
+
+def test_a_correct_rule_passes_and_stays_out_of_the_catalogue():
+    before = eqxrules.catalogue()
+    result = verify_rule(Scale)
+    assert result.passed and result.problems == []
+    # Two examples, each at its kinks and (exact) off them with finite differences.
+    assert len(result.reports) == 4
+    assert all(r.passed for _, r in result.reports)
+    assert "passed" in str(result)
+    assert eqxrules.catalogue() == before
+    assert Scale.function is None  # not even given a functional form
+
+
+class _WrongDerivative(Scale):
+    """Planted: the derivative is 3x too big when `factor` is 2."""
+
+    summary: ClassVar[str] = "a·x, wrong derivative"
+
+    def tangent(self, args, t_args, t_self, out):
+        return None if t_args[0] is None else 3 * t_args[0]
+
+
+class _NoReference(eqxrules.JVPRule):
+    """Planted: no references."""
+
+    summary: ClassVar[str] = "x"
+
+    def primal(self, x):
+        return x
+
+    def tangent(self, args, t_args, t_self, out):
+        return t_args[0]
+
+
+class _Coerces(Scale):
+    """Planted: a negative factor is silently made positive."""
+
+    summary: ClassVar[str] = "a·|x|, coerced"
+
+    def __init__(self, factor=2.0):
+        self.factor = abs(factor) if isinstance(factor, float) else factor
+
+
+@jax.custom_vjp
+def _reverse_only(x):
+    return 2 * x
+
+
+_reverse_only.defvjp(lambda x: (2 * x, None), lambda _, g: (2 * g,))
+
+
+class _ClaimsForwardMode(Scale):
+    """Planted: a `JVPRule` whose value goes through a `custom_vjp`."""
+
+    summary: ClassVar[str] = "a·x via custom_vjp"
+
+    def primal(self, x):
+        return self.factor / 2 * _reverse_only(x)
+
+    def tangent(self, args, t_args, t_self, out):
+        return jax.jvp(lambda x: self.primal(x), args, (t_args[0],))[1]
+
+
+class _Float32(Scale):
+    """Planted: computes in float32 whatever comes in."""
+
+    summary: ClassVar[str] = "a·x in float32"
+
+    def primal(self, x):
+        return (self.factor * x).astype(jnp.float32)
+
+    def tangent(self, args, t_args, t_self, out):
+        return (
+            None if t_args[0] is None else (self.factor * t_args[0]).astype(jnp.float32)
+        )
+
+
+@pytest.mark.parametrize(
+    "rule,shown",
+    [
+        (_WrongDerivative, "check `vjp` failed"),
+        (_NoReference, "lacks `reference_forward`"),
+        (_Coerces, "`factor`=-1.0: was accepted (a ValueError is due)"),
+        (_ClaimsForwardMode, "forward mode: declared True"),
+        (_Float32, "`value` is float32 for bfloat16 input"),
+    ],
+    ids=lambda v: getattr(v, "__name__", "")[:20],
+)
+def test_each_part_of_the_battery_catches_its_defect(rule, shown):
+    result = verify_rule(rule, raise_on_failure=False)
+    assert not result.passed
+    assert any(shown in p for p in result.problems), result.problems
+    with pytest.raises(RuleVerificationError) as info:
+        verify_rule(rule)
+    assert shown in str(info.value)
+    assert info.value.verification.problems == result.problems
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match=r"`verify_rule`: `rule` must be.*instance"):
+        verify_rule(Scale())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`verify_rule`: `rule` must be.*int"):
+        verify_rule(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`raise_on_failure` must be a bool.*'no'"):
+        verify_rule(Scale, raise_on_failure="no")  # type: ignore[arg-type]
