@@ -257,7 +257,8 @@ class Rule(eqx.Module):
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         if self.elementwise:
-            check_float_array(self.rule_name(), args)
+            hint = " (a rule of several inputs declares `elementwise = False`)"
+            check_float_array(self.rule_name(), args, hint)
 
     def _key_kwargs(self, key: PRNGKeyArray | None) -> dict[str, Any]:
         # Every rule accepts `key=` so that it can sit in `eqx.nn.Sequential` (which
@@ -440,11 +441,11 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
     return jtu.tree_map(lambda _: None, rule), ct_args
 
 
-def check_float_array(rule: str, args: tuple[Any, ...]) -> None:
+def check_float_array(rule: str, args: tuple[Any, ...], hint: str = "") -> None:
     """Raise a `TypeError` naming `rule` unless `args` is one floating-point array.
     Elementwise rules call it on every call; so may rules that reduce an axis."""
     if len(args) != 1:
-        raise TypeError(f"`{rule}` takes one array argument, got {len(args)}.")
+        raise TypeError(f"`{rule}` takes one array argument, got {len(args)}{hint}.")
     dtype = jnp.result_type(args[0])
     if not jnp.issubdtype(dtype, jnp.inexact):
         raise TypeError(
