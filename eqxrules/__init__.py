@@ -1,9 +1,7 @@
 """eqxrules: custom derivative rules for JAX and Equinox, each declared once and
 checked against a reference."""
 
-from typing import TYPE_CHECKING, Any
-
-from . import checks as checks, testing as testing
+from . import _rules, checks as checks, testing as testing
 from ._catalogue import (
     Domain as Domain,
     Entry as Entry,
@@ -22,12 +20,10 @@ from ._layers import (
     quantize as quantize,
 )
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
-from ._rules import __all__ as _rule_names
 
 __version__ = "0.1.0"
 
-# The rules' names come from the catalogue: a type checker cannot list them.
-__all__ = [  # pyright: ignore[reportUnsupportedDunderAll]
+__all__ = [
     "Domain",
     "Entry",
     "JVPRule",
@@ -44,10 +40,7 @@ __all__ = [  # pyright: ignore[reportUnsupportedDunderAll]
     "partial_jvp",
     "quantize",
     "testing",
-    *_rule_names,
 ]
-
-if TYPE_CHECKING:
-    # The rules are exported from the catalogue, which a type checker cannot run:
-    # to it they are `Any` rather than unknown names.
-    def __getattr__(name: str) -> Any: ...
+# Every rule class and its functional form, from the catalogue (for type checkers,
+# from the stub eqxrules/_rules/__init__.pyi generated from it).
+__all__ += _rules.__all__

@@ -6,7 +6,7 @@ from ._cli import main
 # Guarded, so that importing this module (as documentation tools do) runs nothing.
 if __name__ == "__main__":
     try:
-        code = main()
+        code: int = main()
     except BrokenPipeError:
         # The reader went away (`python -m eqxrules list | head`): stop quietly, as a
         # Unix command does, and keep Python from failing again when it flushes stdout

@@ -14,11 +14,10 @@ the whole declaration:
   text, from which the functional form's docstring and the README table derive;
 - `kinks()` says where, for this instance's hyperparameters, the derivative jumps;
 - `reference_forward`, `reference_derivative` and `reference_vjp` are *independent*
-  references that the test suite and `python -m eqxrules` check the rule against.
+  references that the tests and `python -m eqxrules` check the rule against.
 
-Defining a public subclass in `eqxrules._rules` registers it in [`catalogue`][], in
-definition order, and its functional form (hyperparameters keyword-only unless
-declared `positional=True`, defaults from the fields) is derived from it. Rules defined elsewhere (yours) are
+A public subclass in `eqxrules._rules` is registered in [`catalogue`][] as it is
+defined, with its functional form derived from it. Yours (defined elsewhere) are
 registered only if asked, with `functional(..., register=True)`.
 """
 
@@ -33,17 +32,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray
 
 from . import _registry
 from ._hyper import Invalid, check_fields, invalid_constructions
 from ._registry import Domain, Entry, catalogue, functional
+from ._typing import PyTree
 
 _T = TypeVar("_T")
 
 REVERSE_ONLY_MESSAGE = "supports reverse mode only"
-
-
 # JAX's own words when forward mode meets a `custom_vjp` (stable since jax 0.2).
 _JAX_REVERSE_ONLY = "can't apply forward-mode autodiff"
 
@@ -165,7 +163,7 @@ class Rule(eqx.Module):
         ):
             _registry.register(cls)
 
-    def __check_init__(self):
+    def __check_init__(self) -> None:
         check_fields(self, self.rule_name())
 
     def primal(self, *args: Any, **kwargs: Any) -> Any:
@@ -302,6 +300,7 @@ class JVPRule(Rule):
         out: Any,
         **kwargs: Any,
     ) -> Any:
+        """The tangent of the output: linear in `t_args` and `t_self`."""
         raise NotImplementedError
 
     def __call__(

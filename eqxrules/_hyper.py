@@ -70,31 +70,35 @@ def _is_integer(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-real = Check("be a real number", lambda v, _: _is_real(v), TypeError, ("1", True))
-integer = Check(
+real: Check = Check(
+    "be a real number", lambda v, _: _is_real(v), TypeError, ("1", True)
+)
+integer: Check = Check(
     "be an integer", lambda v, _: _is_integer(v), TypeError, (2.5, True, "2")
 )
-finite = Check(
+finite: Check = Check(
     "be finite", lambda v, _: math.isfinite(v), bad=(_NAN, _INF), after=(real,)
 )
-positive = Check(
+positive: Check = Check(
     "be finite and positive",
     lambda v, _: math.isfinite(v) and v > 0,
     bad=(0.0, -1.0, _NAN, _INF),
     after=(real,),
 )
-non_negative = Check(
+non_negative: Check = Check(
     "be finite and non-negative",
     lambda v, _: math.isfinite(v) and v >= 0,
     bad=(-1.0, _NAN, _INF),
     after=(real,),
 )
-boolean = Check(
+boolean: Check = Check(
     "be a bool", lambda v, _: isinstance(v, (bool, np.bool_)), TypeError, ("yes", 1)
 )
-function = Check("be callable", lambda v, _: callable(v), TypeError, (3, "f"))
-axis_index = Check("be an integer", lambda v, _: _is_integer(v), TypeError, (1.5, True))
-axis_indices = Check(
+function: Check = Check("be callable", lambda v, _: callable(v), TypeError, (3, "f"))
+axis_index: Check = Check(
+    "be an integer", lambda v, _: _is_integer(v), TypeError, (1.5, True)
+)
+axis_indices: Check = Check(
     "be an int or a non-empty tuple of ints",
     lambda v, _: (
         _is_integer(v)
@@ -162,13 +166,13 @@ def _finite_nonzero(v: Any) -> bool:
     return bool(np.all(a != 0) and np.all(np.isfinite(a)))
 
 
-number_or_array = Check(
+number_or_array: Check = Check(
     "be a number or a numeric array",
     lambda v, _: _is_number_or_array(v),
     TypeError,
     ("2", True),
 )
-finite_nonzero = Check(
+finite_nonzero: Check = Check(
     "be finite and non-zero everywhere",
     lambda v, _: _finite_nonzero(v),
     bad=(0.0, _NAN, -_INF, np.array([1.0, 0.0, 2.0])),
@@ -182,7 +186,7 @@ def _concrete(v: Any, test: Callable[[np.ndarray], Any]) -> bool:
     return bool(test(np.asarray(v, np.float64)))
 
 
-float_or_array = Check(
+float_or_array: Check = Check(
     "be a real number or a floating-point array",
     lambda v, _: (
         _is_real(v)
@@ -194,13 +198,13 @@ float_or_array = Check(
     TypeError,
     ("2", True, np.array([1, 2])),
 )
-positive_everywhere = Check(
+positive_everywhere: Check = Check(
     "be finite and positive everywhere",
     lambda v, _: _concrete(v, lambda a: np.all(np.isfinite(a) & (a > 0))),
     bad=(0.0, -1.0, _NAN, _INF, np.array([0.5, 0.0, 1.0], np.float32)),
     after=(float_or_array,),
 )
-finite_everywhere = Check(
+finite_everywhere: Check = Check(
     "be finite everywhere",
     lambda v, _: _concrete(v, lambda a: np.all(np.isfinite(a))),
     bad=(_NAN, -_INF, np.array([0.5, _NAN], np.float32)),

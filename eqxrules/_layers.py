@@ -83,7 +83,7 @@ class Quantized(eqx.Module):
     kernel_quantizer: Quantizer | None = eqx.field(default=None, kw_only=True)
     input_quantizer: Quantizer | None = eqx.field(default=None, kw_only=True)
 
-    def __check_init__(self):
+    def __check_init__(self) -> None:
         weight = getattr(self.layer, "weight", None)
         if not eqx.is_array(weight):
             raise TypeError(

@@ -45,7 +45,7 @@ class Domain:
     shape: tuple[int, ...] = (4, 3)
     margin: float = 0.05
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.low < self.high:
             raise ValueError(
                 f"`Domain`: `low` (={self.low}) must be less than `high` "
@@ -188,6 +188,13 @@ def functional(rule: type, *, register: bool = False) -> Callable[[_F], _F]:
     return decorator
 
 
+def _accepted(primal: inspect.Signature, name: str) -> Any:
+    """The annotation of the functional form's input `name`: `primal`'s, where an
+    `Array` is also accepted as anything array-like (a NumPy array, a float)."""
+    annotation = primal.parameters[name].annotation
+    return "ArrayLike" if annotation == "Array" else annotation
+
+
 def _derived_form(rule: type) -> Callable[..., Any]:
     """`name(x, [parameters...,] [key,] positional hyperparameters..., *,
     hyperparameters...)`: builds `rule` from the arguments given (the Module's own
@@ -198,7 +205,10 @@ def _derived_form(rule: type) -> Callable[..., Any]:
     name = functional_name(rule)
     inputs = primal_arity(rule) or ("x",)
     P = inspect.Parameter
-    params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in inputs]
+    primal = inspect.signature(rule.primal)
+    params = [
+        P(n, P.POSITIONAL_OR_KEYWORD, annotation=_accepted(primal, n)) for n in inputs
+    ]
     learnable = set(parameters(rule))
     positional = [
         f
@@ -210,7 +220,7 @@ def _derived_form(rule: type) -> Callable[..., Any]:
     ]
     needs_key = key_parameter(rule)
     if needs_key == "required":
-        params.append(P("key", P.POSITIONAL_OR_KEYWORD))
+        params.append(P("key", P.POSITIONAL_OR_KEYWORD, annotation="PRNGKeyArray"))
     fields = [f.name for f in dataclasses.fields(rule)]
     declared = declarations(rule)
     for f in dataclasses.fields(rule):
@@ -221,9 +231,13 @@ def _derived_form(rule: type) -> Callable[..., Any]:
         kind = P.POSITIONAL_OR_KEYWORD if by_position else P.KEYWORD_ONLY
         params.append(P(f.name, kind, default=default, annotation=f.type))
     if needs_key == "optional":
-        params.append(P("key", P.KEYWORD_ONLY, default=None))
+        params.append(
+            P("key", P.KEYWORD_ONLY, default=None, annotation="PRNGKeyArray | None")
+        )
     try:
-        signature = inspect.Signature(params)
+        signature = inspect.Signature(
+            params, return_annotation=primal.return_annotation
+        )
     except ValueError as e:
         raise TypeError(
             f"`{rule.__name__}`: its `positional=True` hyperparameters must come "
@@ -338,10 +352,12 @@ class Entry:
     reference_vjp: bool
 
     def examples(self, key: PRNGKeyArray) -> Sequence[Any]:
+        """The instances of the rule that are checked (`module.examples(key)`)."""
         return self.module.examples(key)
 
     @property
     def modes(self) -> tuple[str, ...]:
+        """`("fwd", "rev")`, or `("rev",)` for a reverse-only rule."""
         return ("fwd", "rev") if self.forward_mode else ("rev",)
 
     def check_arguments(
@@ -373,7 +389,8 @@ class Entry:
 
 
 def _entry(rule: Any, function: Callable[..., Any] | None = None) -> Entry:
-    function = rule.function if function is None else function
+    function = function or rule.function
+    assert function is not None  # given, or set by `declare_functional_forms`
     kinks = {k for r in rule.examples(jax.random.key(0)) for k in r.kinks()}
     return Entry(
         name=function.__name__,

@@ -110,6 +110,7 @@ class RuleVerification:
 
     @property
     def passed(self) -> bool:
+        """Whether there is no problem."""
         return not self.problems
 
     def __str__(self) -> str:
@@ -128,7 +129,7 @@ class RuleVerificationError(AssertionError):
     """Raised by [`verify_rule`][eqxrules.testing.verify_rule] when a rule fails;
     `verification` holds the [`RuleVerification`][eqxrules.testing.RuleVerification]."""
 
-    def __init__(self, verification: RuleVerification):
+    def __init__(self, verification: RuleVerification) -> None:
         super().__init__(str(verification))
         self.verification = verification
 

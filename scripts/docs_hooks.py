@@ -11,6 +11,7 @@ the API reference's coverage in the normal suite."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import pathlib
 import re
@@ -77,7 +78,10 @@ def gallery_markdown() -> str:
             lines += [f"| `{n}` | {d or '(required)'} |" for n, d in defaults]
             lines.append("")
         lines += [f"![{e.name}: value and derivative]({PLOTS}/{e.name}.png)", ""]
-        lines += [anchor(cls), "", f"::: eqxrules.{cls}", ""]
+        # The protocol methods (`primal`, `tangent`, ...) are documented once, on
+        # the `Rule` bases; here the class docstring holds the maths and the table
+        # above the fields.
+        lines += [anchor(cls), "", f"::: eqxrules.{cls}", _NO_MEMBERS, ""]
         lines += [anchor(e.name), "", f"::: eqxrules.{e.name}", ""]
     return "\n".join(lines)
 
@@ -157,12 +161,70 @@ def run_guide(page: pathlib.Path) -> str | None:
     return finish_guide(page, start_guide(page))
 
 
+_NO_MEMBERS = "    options:\n      members: false"
+_DIRECTIVE = re.compile(
+    r"^:::\s+(?P<path>[\w.]+)[ ]*\n(?P<options>(?:[ ]{4,}\S.*\n?)*)", re.MULTILINE
+)
+
+
+def _resolve(path: str) -> Any:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return getattr(importlib.import_module(module), name)
+
+
+def _own_members(cls: type) -> dict[str, Any]:
+    """The public methods and properties `cls` defines itself (mkdocstrings shows
+    each with its own docstring: it does not inherit one)."""
+    out = {}
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, (classmethod, staticmethod)):
+            value = value.__func__
+        if isinstance(value, property) or inspect.isfunction(value):
+            out[name] = value
+    return out
+
+
+def missing_docstrings(pages: dict[str, str]) -> list[str]:
+    """Every object the pages render (`::: path`) without a docstring, and, for a
+    class rendered with its members, each of its own public methods without one."""
+    missing = []
+    for text in pages.values():
+        for m in _DIRECTIVE.finditer(text):
+            path = m["path"]
+            obj = _resolve(path)
+            if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj):
+                if not (obj.__doc__ or "").strip():
+                    missing.append(path)
+            if inspect.isclass(obj) and "members: false" not in m["options"]:
+                missing += [
+                    f"{path}.{name}"
+                    for name, member in _own_members(obj).items()
+                    if not (member.__doc__ or "").strip()
+                ]
+    return sorted(set(missing))
+
+
 def generated_pages() -> dict[str, str]:
     """The pages this hook adds to the site, by path under `docs/`."""
     return {GALLERY: gallery_markdown()}
 
 
 def _plots(out: pathlib.Path) -> list[pathlib.Path]:
+    if os.environ.get("EQXRULES_DOCS_PLOTS") == "0":
+        # Empty stand-ins (the planted-defect builds of .ci/planted_docs.py, which
+        # test the build's checks, not the plots).
+        import eqxrules
+
+        for e in eqxrules.catalogue():
+            (out / f"{e.name}.png").write_bytes(b"")
+        return sorted(out.glob("*.png"))
     subprocess.run(
         [sys.executable, "-m", "eqxrules", "plot", "--out", str(out)],
         check=True,
@@ -176,8 +238,16 @@ _tmp: tempfile.TemporaryDirectory[str] | None = None
 
 
 def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.exceptions import PluginError
     from mkdocs.structure.files import File
 
+    pages = {f.src_uri: f.content_string for f in files if f.src_uri.endswith(".md")}
+    pages.update(generated_pages())
+    missing = missing_docstrings(pages)
+    if missing:
+        raise PluginError(
+            "the API reference renders these without a docstring: " + ", ".join(missing)
+        )
     global _tmp
     for path, content in generated_pages().items():
         files.append(File.generated(config, path, content=content))

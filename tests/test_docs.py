@@ -89,3 +89,29 @@ def test_gallery_follows_the_catalogue():
         assert f"## `{e.name}`" in gallery
         assert f"(gallery/plots/{e.name}.png)" in gallery
         assert f"::: eqxrules.{e.module.__name__}" in gallery
+
+
+def test_nothing_is_rendered_without_a_docstring():
+    assert _hooks().missing_docstrings(site_pages()) == []
+
+
+class _Undocumented:
+    """A class with a public method that has no docstring."""
+
+    def method(self):
+        pass
+
+
+def test_the_docstring_check_catches_a_missing_one(monkeypatch):
+    # Planted defects: a page that renders an undocumented method's class, and a
+    # function whose docstring was removed.
+    hooks = _hooks()
+    monkeypatch.setattr(eqxrules, "_Undocumented", _Undocumented, raising=False)
+    page = {"x.md": "::: eqxrules._Undocumented\n"}
+    assert hooks.missing_docstrings(page) == ["eqxrules._Undocumented.method"]
+    hidden = {
+        "x.md": "::: eqxrules._Undocumented\n    options:\n      members: false\n"
+    }
+    assert hooks.missing_docstrings(hidden) == []
+    monkeypatch.setattr(eqxrules.calibrate, "__doc__", None)
+    assert hooks.missing_docstrings(site_pages()) == ["eqxrules.calibrate"]

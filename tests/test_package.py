@@ -29,3 +29,51 @@ def test_version_and_typed_marker():
 
     assert eqxrules.__version__.count(".") == 2
     assert (pathlib.Path(eqxrules.__file__).parent / "py.typed").exists()
+
+
+def _update_stubs():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts/update_stubs.py"
+    spec = importlib.util.spec_from_file_location("update_stubs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_rules_type_stub_is_current():
+    """Type checkers see the rules through eqxrules/_rules/__init__.pyi, generated
+    from the catalogue: run `python scripts/update_stubs.py` after a rule changes."""
+    stubs = _update_stubs()
+    assert stubs.STUB.read_text() == stubs.stub()
+
+
+def test_the_stub_check_catches_a_stale_stub(monkeypatch):
+    # Planted defect: a rule whose derived signature changed since the stub was
+    # written (a new keyword, as adding a hyperparameter gives).
+    import inspect
+
+    stubs = _update_stubs()
+    fn = eqxrules.ste_sign
+    sig = inspect.signature(fn)
+    extra = inspect.Parameter("width", inspect.Parameter.KEYWORD_ONLY, default=2.0)
+    monkeypatch.setattr(
+        fn, "__signature__", sig.replace(parameters=[*sig.parameters.values(), extra])
+    )
+    assert "width: Any = 2.0" in stubs.stub()
+    assert stubs.STUB.read_text() != stubs.stub()
+
+
+def test_version_matches_the_changelog():
+    import pathlib
+    import re
+
+    changelog = (
+        pathlib.Path(__file__).resolve().parent.parent / "CHANGELOG.md"
+    ).read_text()
+    released = re.findall(
+        r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M
+    )
+    assert released and released[0] == eqxrules.__version__

@@ -44,7 +44,14 @@ class _Elementwise(JVPRule):
     def slope(self, x: Array) -> Array | None:
         raise NotImplementedError
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         (x,) = args
         (t,) = t_args
         if t is None:

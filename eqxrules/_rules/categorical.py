@@ -86,7 +86,14 @@ class StraightThroughOneHot(_Categorical):
     def primal(self, logits: Array) -> Array:
         return _one_hot_argmax(logits, self.axis, logits.dtype)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         return partial_jvp(lambda z: jax.nn.softmax(z, axis=self.axis), args, t_args)
 
     def reference_forward(self, logits: Array) -> Array:
@@ -160,7 +167,16 @@ class GumbelSoftmax(_Categorical):
             )
         return self._soft(logits, key)
 
-    def tangent(self, args, t_args, t_self, out, *, key, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        *,
+        key: PRNGKeyArray,
+        **kwargs: Any,
+    ) -> Any:
         return partial_jvp(lambda z: self._soft(z, key), args, t_args)
 
     def reference_forward(self, logits: Array, *, key: PRNGKeyArray) -> Array:

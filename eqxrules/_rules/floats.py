@@ -183,7 +183,14 @@ class _Blocked(JVPRule):
         self.check_length(length, axis, where)
         return dataclasses.replace(self, axis=axis)  # pyright: ignore[reportCallIssue]
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         (t,) = t_args
         return t
 

@@ -9,10 +9,11 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray
 
 from .._catalogue import PytreeRule, VJPRule, map_tangent
 from .._hyper import at_least_zero, at_most, finite, hyperparameter, positive
+from .._typing import PyTree
 
 _ZERO_STAYS_ZERO = ", so that a zero cotangent stays zero"
 
@@ -56,7 +57,14 @@ class GradientReversal(PytreeRule):
     def primal(self, x: PyTree) -> PyTree:
         return x
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         return map_tangent(lambda _, t: -self.scale * t, args[0], t_args[0])
 
     def reference_forward(self, x: PyTree) -> PyTree:
@@ -102,7 +110,14 @@ class GradientScale(PytreeRule):
     def primal(self, x: PyTree) -> PyTree:
         return x
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         return map_tangent(lambda _, t: self.scale * t, args[0], t_args[0])
 
     def reference_forward(self, x: PyTree) -> PyTree:
@@ -131,7 +146,9 @@ class _CotangentRule(VJPRule):
     def primal(self, x: PyTree) -> PyTree:
         return x
 
-    def bwd(self, residuals, cotangent, args, **kwargs):
+    def bwd(
+        self, residuals: Any, cotangent: PyTree, args: tuple[Any, ...], **kwargs: Any
+    ) -> Any:
         return (self.shape_cotangent(cotangent),)
 
     def reference_forward(self, x: PyTree) -> PyTree:

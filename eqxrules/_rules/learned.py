@@ -207,7 +207,14 @@ class LSQ(JVPRule):
         q = jnp.round(jnp.clip(v / s, -qn, qp)) * s
         return (q if b is None else q + b).astype(x.dtype)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         (x,) = args
         (t_x,) = t_args
         t_s, t_b = t_self.step, t_self.offset
@@ -385,7 +392,14 @@ class PACT(JVPRule):
         y = jnp.clip(x.astype(w), 0, a)
         return (jnp.round(y * (n / a)) * (a / n)).astype(x.dtype)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         (x,) = args
         (t_x,) = t_args
         t_a = t_self.alpha

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from .._catalogue import (
     Domain,
@@ -19,6 +19,7 @@ from .._catalogue import (
     partial_jvp,
 )
 from .._hyper import finite_nonzero, function, hyperparameter, one_of
+from .._typing import PyTree
 
 Mode = Literal["exact", "skip_scale", "stop_input"]
 _MODES = ("exact", "skip_scale", "stop_input")
@@ -64,7 +65,7 @@ class ScaledModel(JVPRule):
         ```
     """
 
-    sub_model: Callable[..., PyTree[Array]] = hyperparameter(function, static=False)
+    sub_model: Callable[..., PyTree] = hyperparameter(function, static=False)
     scale: float | Array = hyperparameter(finite_nonzero, static=False)
     mode: Mode = hyperparameter("exact", one_of(*_MODES))
 
@@ -84,10 +85,19 @@ class ScaledModel(JVPRule):
             raise TypeError(f"`ScaledModel` takes one input `x`, got {len(args)}.")
         check_broadcasts("ScaledModel", "scale", self.scale, jnp.shape(args[0]))
 
-    def primal(self, x: Array, *, key: PRNGKeyArray | None = None) -> PyTree[Array]:
+    def primal(self, x: Array, *, key: PRNGKeyArray | None = None) -> PyTree:
         return call_with_key(self.sub_model, x / self.scale, key)
 
-    def tangent(self, args, t_args, t_self, out, *, key=None, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        *,
+        key: PRNGKeyArray | None = None,
+        **kwargs: Any,
+    ) -> Any:
         (x,) = args
         (t_x,) = t_args
         # `eqx.filter_custom_jvp` passes `t_self` shaped like the Module (`None` in
@@ -111,14 +121,12 @@ class ScaledModel(JVPRule):
             lambda sub: call_with_key(sub, u, key), (self.sub_model,), (t_sub,)
         )
 
-    def reference_forward(
-        self, x: Array, *, key: PRNGKeyArray | None = None
-    ) -> PyTree[Array]:
+    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> PyTree:
         return call_with_key(self.sub_model, x / self.scale, key)
 
     def reference_derivative(
         self, x: Array, *, key: PRNGKeyArray | None = None
-    ) -> PyTree[Array]:
+    ) -> PyTree:
         sg = jax.lax.stop_gradient
         if self.mode == "exact":
             return call_with_key(self.sub_model, x / self.scale, key)
@@ -141,10 +149,10 @@ class ScaledModel(JVPRule):
 
 @functional(ScaledModel)
 def scaled_call(
-    sub_model: Callable[..., PyTree[Array]],
+    sub_model: Callable[..., PyTree],
     x: ArrayLike,
     scale: float | Array,
     *,
     mode: Mode = "exact",
-) -> PyTree[Array]:
+) -> PyTree:
     return ScaledModel(sub_model, scale, mode=mode)(x)

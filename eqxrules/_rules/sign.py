@@ -231,7 +231,14 @@ class MagnitudeAwareSign(JVPRule):
         # No NaN select: the magnitude is already NaN wherever `x` is.
         return _magnitude(x) * jnp.where(x >= 0, 1, -1).astype(x.dtype)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         (x,) = args
         (t,) = t_args
         if t is None:

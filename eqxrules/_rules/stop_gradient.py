@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray
 
 from .._catalogue import (
     Domain,
@@ -25,6 +25,7 @@ from .._catalogue import (
     partial_jvp,
 )
 from .._hyper import axis_indices, function, hyperparameter, non_negative
+from .._typing import PyTree
 
 
 def _frozen(tree: PyTree) -> PyTree:
@@ -122,7 +123,14 @@ class StopGradient(_WrapperRule):
         fn, x = _frozen((self.fn, x))
         return eqx.filter(call_with_key(fn, x, key), eqx.is_array)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         return no_tangent(out)
 
     def reference_derivative(
@@ -175,7 +183,16 @@ class Frozen(_WrapperRule):
     def primal(self, x: PyTree, *, key: PRNGKeyArray | None = None) -> PyTree:
         return eqx.filter(call_with_key(_frozen(self.module), x, key), eqx.is_array)
 
-    def tangent(self, args, t_args, t_self, out, *, key=None, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        *,
+        key: PRNGKeyArray | None = None,
+        **kwargs: Any,
+    ) -> Any:
         module = _frozen(self.module)
         t_out = partial_jvp(
             lambda x: eqx.filter(call_with_key(module, x, key), eqx.is_array),
@@ -222,7 +239,14 @@ class Detach(PytreeRule, _Blocking):
     def primal(self, x: PyTree) -> PyTree:
         return _frozen(x)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         return no_tangent(out)
 
     def reference_forward(self, x: PyTree) -> PyTree:
@@ -291,7 +315,14 @@ class Standardize(PytreeRule, _Blocking):
 
         return jtu.tree_map(leaf, x)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         (x,) = args
         (t_x,) = t_args
         return map_tangent(lambda a, t: t / self._denominator(a), x, t_x)

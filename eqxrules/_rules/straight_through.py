@@ -9,21 +9,22 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray
 
 from .._catalogue import JVPRule, partial_jvp
 from .._hyper import function, hyperparameter
+from .._typing import PyTree
 
 
 class _Shown:
-    def __init__(self, leaf: jax.ShapeDtypeStruct):
+    def __init__(self, leaf: jax.ShapeDtypeStruct) -> None:
         self.text = f"{leaf.dtype}{list(leaf.shape)}"
 
     def __repr__(self) -> str:
         return self.text
 
 
-def _describe(tree: PyTree[jax.ShapeDtypeStruct]) -> str:
+def _describe(tree: PyTree) -> str:
     """`float32[4, 3]`, or a pytree of those, for error messages."""
     return repr(jtu.tree_map(_Shown, tree))
 
@@ -64,8 +65,8 @@ class StraightThrough(JVPRule):
         ```
     """
 
-    forward: Callable[[Array], PyTree[Array]] = hyperparameter(function, static=False)
-    surrogate: Callable[[Array], PyTree[Array]] = hyperparameter(function, static=False)
+    forward: Callable[[Array], PyTree] = hyperparameter(function, static=False)
+    surrogate: Callable[[Array], PyTree] = hyperparameter(function, static=False)
 
     summary: ClassVar[str] = (
         "`forward(x)`; derivative that of `surrogate` at x (shapes and dtypes must "
@@ -90,20 +91,27 @@ class StraightThrough(JVPRule):
                 f"`surrogate` gives {_describe(s)}; their shapes and dtypes must match."
             )
 
-    def primal(self, x: Array) -> PyTree[Array]:
+    def primal(self, x: Array) -> PyTree:
         return self.forward(x)
 
-    def tangent(self, args, t_args, t_self, out, **kwargs):
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
         (x,) = args
         (t_x,) = t_args
         return partial_jvp(
             lambda s, x: s(x), (self.surrogate, x), (t_self.surrogate, t_x)
         )
 
-    def reference_forward(self, x: Array) -> PyTree[Array]:
+    def reference_forward(self, x: Array) -> PyTree:
         return self.forward(x)
 
-    def reference_derivative(self, x: Array) -> PyTree[Array]:
+    def reference_derivative(self, x: Array) -> PyTree:
         return self.surrogate(x)
 
     @classmethod

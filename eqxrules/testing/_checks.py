@@ -57,7 +57,7 @@ class _Options:
 class _Raised(Exception):
     """The rule raised `exception` in the circumstances `context` names."""
 
-    def __init__(self, exception: Exception, context: str):
+    def __init__(self, exception: Exception, context: str) -> None:
         super().__init__(str(exception))
         self.exception = exception
         self.context = context

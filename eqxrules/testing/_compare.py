@@ -28,7 +28,7 @@ where the rule and its reference may round in a different order."""
 
 
 class _Failure(Exception):
-    def __init__(self, detail: str, **figures: Any):
+    def __init__(self, detail: str, **figures: Any) -> None:
         super().__init__(detail)
         self.detail = detail
         self.figures = figures

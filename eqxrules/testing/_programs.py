@@ -110,7 +110,7 @@ def _fingerprint(traced: Any, signature: tuple[Any, ...]) -> tuple[Any, ...] | N
 
 
 class Program:
-    def __init__(self, fun: Callable[..., Any]):
+    def __init__(self, fun: Callable[..., Any]) -> None:
         self._jitted = jax.jit(fun)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._lowered: dict[tuple[Any, ...], Any] = {}

@@ -43,6 +43,7 @@ class CheckResult:
     exception: BaseException | None = None
 
     def describe(self) -> str:
+        """One line: the check, its status, where, and the figures behind it."""
         where = f" at `{self.path}`" if self.path else ""
         figures = ""
         if self.status == "failed" and self.exception is None:
@@ -78,14 +79,17 @@ class RuleReport:
 
     @property
     def passed(self) -> bool:
+        """Whether no check failed."""
         return not self.failed
 
     @property
     def failed(self) -> list[str]:
+        """The names of the failed checks."""
         return [r.name for r in self.results if r.status == "failed"]
 
     @property
     def seconds(self) -> float:
+        """The wall time of every check together."""
         return sum(r.seconds for r in self.results)
 
     def __getitem__(self, name: str) -> CheckResult:
@@ -104,7 +108,7 @@ class RuleCheckError(AssertionError):
     """Raised by [`check_rule`][] when a check fails. `report` holds every result,
     `failed` the names of the failing checks."""
 
-    def __init__(self, message: str, report: RuleReport):
+    def __init__(self, message: str, report: RuleReport) -> None:
         super().__init__(message)
         self.report = report
         self.failed = report.failed
