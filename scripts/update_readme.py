@@ -1,10 +1,14 @@
-"""Regenerate the README's generated parts: the catalogue table, the checks from
-`check_rule`'s docstring, and the example rule (the source of `QuadraticSign`). `tests/test_readme.py` fails until this has been run
-after a rule or a check changes: `python scripts/update_readme.py`."""
+"""Regenerate what is derived from the catalogue and committed: the README's
+catalogue table, its checks (from `check_rule`'s docstring) and its example rule
+(the source of `QuadraticSign`), and the rules' type stub
+(`scripts/update_stubs.py`). `tests/test_readme.py` and `tests/test_package.py`
+fail until this has been run after a rule or a check changes:
+`python scripts/update_readme.py`."""
 
 import inspect
 import pathlib
 import re
+import sys
 
 import eqxrules
 from eqxrules import _cli
@@ -34,6 +38,10 @@ def main() -> None:
     text = _replace(text, "checks", checks)
     text = _replace(text, "rule-example", example_rule())
     README.write_text(text)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import update_stubs
+
+    update_stubs.STUB.write_text(update_stubs.stub())
 
 
 if __name__ == "__main__":
