@@ -64,3 +64,18 @@ def test_a_guide_without_code_is_refused(tmp_path):
     page.write_text("# Nothing to run\n\n```py\nx = 1\n```\n")
     with pytest.raises(ValueError, match="at least one"):
         HOOKS.run_guide(page)
+
+
+def _unlisted(pages, text: str, prefix: str) -> list[str]:
+    return [p.name for p in pages if f"{prefix}{p.name}" not in text]
+
+
+def test_every_guide_is_in_the_nav_and_the_readme():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert _unlisted(PAGES, nav, "guides/") == []
+    assert _unlisted(PAGES, readme, "(docs/guides/") == []
+    # Planted defect: a guide that neither lists.
+    extra = ROOT / "docs" / "guides" / "unlisted-guide.md"
+    assert _unlisted([*PAGES, extra], nav, "guides/") == ["unlisted-guide.md"]
+    assert _unlisted([*PAGES, extra], readme, "(docs/guides/") == ["unlisted-guide.md"]
