@@ -161,7 +161,16 @@ def run_guide(page: pathlib.Path) -> str | None:
     return finish_guide(page, start_guide(page))
 
 
-_NO_MEMBERS = "    options:\n      members: false"
+# The rule protocol (documented once, on the `Rule` bases) and the internal hooks
+# some families share: not shown on each rule; its own API (a `from_data`, say) is.
+PROTOCOL = (
+    "bwd call_kwargs domain elementwise exact examples forward_mode function "
+    "functional_name fwd higher_order input_domain invalid_hyperparameters is_exact "
+    "kinks primal pytree_input reference_derivative reference_forward reference_vjp "
+    "rule_name summary tangent slope shape_cotangent block check_length"
+).split()
+_NO_MEMBERS = f'    options:\n      filters: ["!^_", "!^({"|".join(PROTOCOL)})$"]'
+_NEGATIVE_FILTER = re.compile(r'"!([^"]+)"')
 _DIRECTIVE = re.compile(
     r"^:::\s+(?P<path>[\w.]+)[ ]*\n(?P<options>(?:[ ]{4,}\S.*\n?)*)", re.MULTILINE
 )
@@ -177,11 +186,17 @@ def _resolve(path: str) -> Any:
         return getattr(importlib.import_module(module), name)
 
 
-def _own_members(cls: type) -> dict[str, Any]:
+def _own_members(cls: type, inherited: bool = False) -> dict[str, Any]:
     """The public methods and properties `cls` defines itself (mkdocstrings shows
-    each with its own docstring: it does not inherit one)."""
+    each with its own docstring: it does not inherit one), and with `inherited`
+    those of its bases inside eqxrules's rule modules too (a rule's family base)."""
     out = {}
-    for name, value in vars(cls).items():
+    bases = [
+        k for k in cls.__mro__[1:] if inherited and k.__module__.startswith(_FAMILIES)
+    ]
+    for name, value in [
+        (n, v) for k in [*bases[::-1], cls] for n, v in vars(k).items()
+    ]:
         if name.startswith("_"):
             continue
         if isinstance(value, (classmethod, staticmethod)):
@@ -189,6 +204,9 @@ def _own_members(cls: type) -> dict[str, Any]:
         if isinstance(value, property) or inspect.isfunction(value):
             out[name] = value
     return out
+
+
+_FAMILIES = "eqxrules._rules"
 
 
 def missing_docstrings(pages: dict[str, str]) -> list[str]:
@@ -203,10 +221,14 @@ def missing_docstrings(pages: dict[str, str]) -> list[str]:
                 if not (obj.__doc__ or "").strip():
                     missing.append(path)
             if inspect.isclass(obj) and "members: false" not in m["options"]:
+                hidden = [re.compile(f) for f in _NEGATIVE_FILTER.findall(m["options"])]
                 missing += [
                     f"{path}.{name}"
-                    for name, member in _own_members(obj).items()
+                    for name, member in _own_members(
+                        obj, inherited=bool(hidden)
+                    ).items()
                     if not (member.__doc__ or "").strip()
+                    and not any(h.search(name) for h in hidden)
                 ]
     return sorted(set(missing))
 
