@@ -52,11 +52,11 @@ def make_data(seed: int) -> dict[str, Array]:
     half the target, lit unevenly; the target half is split again into the
     unlabelled images training sees and held-out test images (with their labels, for
     scoring only)."""
-    digits = load_digits()
+    images, labels = load_digits(return_X_y=True)
     rng = np.random.default_rng(seed)
-    order = rng.permutation(len(digits.target))
-    x = (digits.data[order] / 16.0).astype(np.float32)
-    y = digits.target[order].astype(np.int32)
+    order = rng.permutation(len(labels))
+    x = (np.asarray(images)[order] / 16.0).astype(np.float32)
+    y = np.asarray(labels)[order].astype(np.int32)
     half = len(y) // 2
     target = x[half:]
     ramp = np.tile(np.linspace(0.0, 1.0, 8, dtype=np.float32), 8)  # dark left
@@ -123,7 +123,7 @@ def train(net: DomainAdversarialNet, data: dict[str, Array], steps: int, key):
         batch = data["source"][i], data["source_labels"][i], data["target"][j]
         grads = eqx.filter_grad(loss_fn)(eqx.combine(params, static), *batch)
         updates, state = optim.update(grads, state, params)
-        return (optax.apply_updates(params, updates), state), None
+        return (eqx.apply_updates(params, updates), state), None
 
     carry = params, optim.init(params)
     (params, _), _ = jax.lax.scan(step, carry, jax.random.split(key, steps))
