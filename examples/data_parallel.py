@@ -30,6 +30,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import (  # noqa: E402
     NamedSharding,
     PartitionSpec as P,
@@ -53,18 +54,24 @@ def loss(model: eqxrules.ScaledModel, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
+OPTIM = optax.sgd(0.1)
+
+
 @eqx.filter_jit
-def step(model, x, y, lr=0.1):
+def step(model, state, x, y):
     value, grads = eqx.filter_value_and_grad(loss)(model, x, y)
-    # `grads` is `None` on the non-array leaves (the activation, the scale).
-    updates = jax.tree_util.tree_map(lambda g: -lr * g, grads)
-    return eqx.apply_updates(model, updates), value
+    # `grads` is `None` on the non-array leaves (the activation, the scale); the
+    # optimiser sees only the floating-point arrays, replicated like the model.
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, state = OPTIM.update(grads, state, params)
+    return eqx.apply_updates(model, updates), state, value
 
 
 def train(model, x, y, steps: int) -> list[float]:
+    state = OPTIM.init(eqx.filter(model, eqx.is_inexact_array))
     losses = []
     for _ in range(steps):
-        model, value = step(model, x, y)
+        model, state, value = step(model, state, x, y)
         losses.append(float(value))
     return losses
 

@@ -2,7 +2,9 @@
 
 The model is `w * x + b` with parameters in a plain dict, the loss is the Euclidean
 norm of the residuals, `sqrt(sum((w * xs + b - ys) ** 2))`, and training is 15 steps
-of SGD written as a `jax.tree_util.tree_map`.
+of SGD written as a `jax.tree_util.tree_map`. The update is written out on purpose:
+this is a seed teaching loop, and the reader should see exactly what the gradient
+does to `w` and `b`. Real training uses optax, as the other examples do.
 
 The norm has a trap: at an exact fit the residuals are zero, `sqrt` has an infinite
 derivative at 0, and the chain rule gives `inf * 0 = NaN` for every parameter. Wrapping

@@ -75,6 +75,9 @@ def windows() -> list[tuple[Array, Array]]:
 
 
 def sgd_update(model: LanguageModel, grads: LanguageModel) -> LanguageModel:
+    """Plain SGD, written out on purpose: this is a seed teaching loop, so the
+    update is shown and the reader sees exactly what each window's gradient does to
+    the weights. Real training uses optax, as the other examples do."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     grads = eqx.filter(grads, eqx.is_inexact_array)
     params = jtu.tree_map(lambda p, g: p - LEARNING_RATE * g, params, grads)

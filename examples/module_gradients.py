@@ -1,7 +1,8 @@
 """Gradients of a model written as `eqx.Module`s: no manual pytree registration.
 
 A Linear -> sigmoid model, a squared-error loss, `jax.grad` with respect to the
-whole model, then a jitted `jax.tree_util.tree_map` SGD step.
+whole model, then jitted SGD steps with optax: the optimiser state and the updates
+are pytrees of the same `Module`, filtered to its floating-point arrays.
 
 Run: python examples/module_gradients.py
 """
@@ -13,6 +14,7 @@ import sys
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 
 
 class Linear(eqx.Module):
@@ -34,10 +36,15 @@ def loss(model: Model, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.sum((model(x) - y) ** 2)
 
 
-@jax.jit
-def sgd_step(model: Model, x: jax.Array, y: jax.Array, lr: float = 0.5) -> Model:
-    grads = jax.grad(loss)(model, x, y)
-    return jax.tree_util.tree_map(lambda p, g: p - lr * g, model, grads)
+OPTIM = optax.sgd(0.5)
+
+
+@eqx.filter_jit
+def sgd_step(model: Model, state: optax.OptState, x: jax.Array, y: jax.Array):
+    grads = eqx.filter_grad(loss)(model, x, y)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, state = OPTIM.update(grads, state, params)
+    return eqx.apply_updates(model, updates), state
 
 
 def main(quick: bool = False) -> dict:
@@ -48,8 +55,9 @@ def main(quick: bool = False) -> dict:
     print("grads.linear.weight =", grads.linear.weight)
     print("grads.linear.bias   =", grads.linear.bias)
     losses = [float(loss(model, x, y))]
+    state = OPTIM.init(eqx.filter(model, eqx.is_inexact_array))
     for _ in range(steps):
-        model = sgd_step(model, x, y)
+        model, state = sgd_step(model, state, x, y)
         losses.append(float(loss(model, x, y)))
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {steps} jitted SGD steps")
     return {

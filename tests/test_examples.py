@@ -1,5 +1,5 @@
-"""The foundation examples, in quick mode, and a guard that every example is run by
-some test (so none can rot)."""
+"""The foundation examples, in quick mode, and guards that every example is run by
+some test (so none can rot) and listed in the README's Examples table."""
 
 import pathlib
 
@@ -16,6 +16,15 @@ def test_every_example_is_run_by_a_test():
         assert f'"{example.stem}"' in tests or f"'{example.stem}'" in tests, (
             f"no test runs examples/{example.name}"
         )
+
+
+def test_readme_lists_every_example_once():
+    """The README's Examples table has one row per script in examples/, no more."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("\n## Examples\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    listed = sorted(row.split("`")[1] for row in rows)
+    assert listed == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
 def test_scaled_model_example(load_example, capsys):
