@@ -9,7 +9,7 @@ its output is then +1 everywhere.
 A quantiser with learned parameters (an [`LSQ`][] step, say) joins in through one
 method, `initialised_from(array) -> quantiser`: a copy of itself fitted to `array`.
 `quantize` calls it on each layer's weight, `calibrate` on each layer's input;
-nothing here names a quantiser."""
+nothing here names a quantiser, but for the warning's sign rules (`_SIGNS`)."""
 
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def _warn_constant_sign(
         warnings.warn(
             f"`quantize`: the input quantiser {input_quantizer!r} of {layers} sees "
             f"the output of the activation `{activation}` of {where}, which is never "
-            f"negative, so its sign is +1 everywhere and these layers see a constant "
+            "negative, so its sign is +1 everywhere and these layers see a constant "
             "input: the network cannot learn. Put an activation with both signs "
             "before the sign (`jax.nn.hard_tanh`, or the identity, scaled into the "
             "quantiser's clip window), or leave these layers' inputs unquantised "
