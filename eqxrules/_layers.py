@@ -2,13 +2,18 @@
 wraps every such layer of a model, and `calibrate` initialises learned input
 quantisers from data.
 
+`quantize` also warns (`NonNegativeSignInputWarning`) where a sign input
+quantiser provably sees only non-negative inputs (after an `eqx.nn.MLP`'s ReLU, say):
+its output is then +1 everywhere.
+
 A quantiser with learned parameters (an [`LSQ`][] step, say) joins in through one
 method, `initialised_from(array) -> quantiser`: a copy of itself fitted to `array`.
 `quantize` calls it on each layer's weight, `calibrate` on each layer's input;
-nothing here names a quantiser."""
+nothing here names a quantiser, but for the warning's sign rules (`_SIGNS`)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from ._catalogue import call_with_key
+from ._rules.sign import ApproxSign, QuadraticSign, SteSign, SwishSign
 
 _M = TypeVar("_M")
 
@@ -164,6 +170,80 @@ def _has_weight_layer(node: Any) -> bool:
     return isinstance(node, (eqx.nn.Linear, eqx.nn.Conv))
 
 
+class NonNegativeSignInputWarning(UserWarning):
+    """Warned by [`quantize`][] when a sign input quantiser is put on a layer whose
+    input is provably never negative: the sign is then +1 everywhere (`sign(0) = +1`),
+    so the layer sees the same input whatever the data, and the network trains at
+    chance. What is detected is listed under [`quantize`][]."""
+
+
+# Rules whose value is +1 on every non-negative input (sign(0) = +1), and their
+# functional forms. (Not `MagnitudeAwareSign`, `SteHeaviside` or `SteTernary`: their
+# value still varies there.)
+_SIGNS = (SteSign, ApproxSign, SwishSign, QuadraticSign)
+
+# Activations whose value is never negative (NaN aside), named as a user writes them.
+_NON_NEGATIVE = (
+    (jax.nn.relu, "jax.nn.relu"),
+    (jax.nn.relu6, "jax.nn.relu6"),
+    (jax.nn.sigmoid, "jax.nn.sigmoid"),
+    (jax.nn.hard_sigmoid, "jax.nn.hard_sigmoid"),
+    (jax.nn.softplus, "jax.nn.softplus"),
+    (jax.nn.sparse_plus, "jax.nn.sparse_plus"),
+    (jax.nn.sparse_sigmoid, "jax.nn.sparse_sigmoid"),
+    (jax.nn.softmax, "jax.nn.softmax"),
+    (jnp.abs, "jnp.abs"),
+    (jnp.exp, "jnp.exp"),
+)
+
+
+def _is_sign(quantizer: Any) -> bool:
+    return isinstance(quantizer, _SIGNS) or any(
+        quantizer is rule.function for rule in _SIGNS
+    )
+
+
+def _non_negative_name(activation: Any) -> str | None:
+    return next((name for f, name in _NON_NEGATIVE if activation is f), None)
+
+
+def _warn_constant_sign(
+    model: Any, input_quantizer: Any, targets: list[tuple[Any, Any]]
+) -> None:
+    """Warn, once per `eqx.nn.MLP` of `model`, if `input_quantizer` is a sign and
+    the MLP's activation is never negative, naming the layers of `targets` (the
+    `(path, layer)` pairs about to be wrapped) that come after that activation."""
+    if not _is_sign(input_quantizer):
+        return
+    wrapped = {id(layer): path for path, layer in targets}
+
+    def is_mlp(node: Any) -> bool:
+        # Exactly `eqx.nn.MLP`: a subclass may call its layers otherwise.
+        return type(node) is eqx.nn.MLP
+
+    for path, mlp in jtu.tree_flatten_with_path(model, is_leaf=is_mlp)[0]:
+        if not is_mlp(mlp):
+            continue
+        activation = _non_negative_name(mlp.activation)
+        # Every layer but the first takes the activation's output.
+        after = [wrapped[id(layer)] for layer in mlp.layers[1:] if id(layer) in wrapped]
+        if activation is None or not after:
+            continue
+        where = f"the `eqx.nn.MLP` at `model{jtu.keystr(path)}`" if path else "`model`"
+        layers = ", ".join(f"`model{jtu.keystr(p)}`" for p in after)
+        warnings.warn(
+            f"`quantize`: the input quantiser {input_quantizer!r} of {layers} sees "
+            f"the output of the activation `{activation}` of {where}, which is never "
+            "negative, so its sign is +1 everywhere and these layers see a constant "
+            "input: the network cannot learn. Put an activation with both signs "
+            "before the sign (`jax.nn.hard_tanh`, or the identity, scaled into the "
+            "quantiser's clip window), or leave these layers' inputs unquantised "
+            "with `where=`.",
+            NonNegativeSignInputWarning,
+            stacklevel=3,
+        )
+
+
 def quantize(
     model: _M,
     *,
@@ -198,6 +278,21 @@ def quantize(
 
     `ValueError` if no layer matches `where`.
 
+    **Warns:**
+
+    `NonNegativeSignInputWarning` (a `UserWarning`) when `input_quantizer` is a
+    sign whose value is +1 on every non-negative input ([`SteSign`][],
+    [`ApproxSign`][], [`SwishSign`][], [`QuadraticSign`][], or their functional
+    forms) and a layer it is put on provably sees only non-negative inputs (so the
+    sign is constant and the network trains at chance): a layer after the first of an
+    `eqx.nn.MLP` (exactly that class, anywhere in `model`) whose `activation` is
+    `jax.nn.relu` (the default), `relu6`, `sigmoid`, `hard_sigmoid`, `softplus`,
+    `sparse_plus`, `sparse_sigmoid`, `softmax`, `jnp.abs` or `jnp.exp`. Not
+    detected: the first layer (its input is the data: centre pixels in [0, 1]
+    yourself), activations in an `eqx.nn.Sequential` or a model of your own, other
+    non-negative functions, a sign wrapped in another callable, and
+    [`Quantized`][] built directly.
+
     !!! Example
 
         ```python
@@ -219,9 +314,15 @@ def quantize(
         )
     # `where` is asked about the model's own nodes (so a predicate may test
     # identity); `eqx.tree_at` then replaces them by their paths.
-    paths = [p for p, node in nodes if not isinstance(node, Quantized) and where(node)]
-    if not paths:
+    targets = [
+        (p, node)
+        for p, node in nodes
+        if not isinstance(node, Quantized) and where(node)
+    ]
+    if not targets:
         return model
+    _warn_constant_sign(model, input_quantizer, targets)
+    paths = [p for p, _ in targets]
 
     def wrap(layer: Any) -> Quantized:
         return Quantized(

@@ -4,6 +4,8 @@ input; gradients reach the latent weights through the quantiser's rule; whole mo
 
 from __future__ import annotations
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -245,3 +247,170 @@ def test_quantized_passes_the_layer_its_part_of_the_key():
     _check_key_split(eqxrules.Quantized)
     with pytest.raises(AssertionError):
         _check_key_split(_UnsplitKey)
+
+
+# -- the sign-after-ReLU warning -----------------------------------------------------
+
+_Warning = eqxrules._layers.NonNegativeSignInputWarning
+
+
+def _relu_mlp(activation=None, cls=eqx.nn.MLP):
+    """MLP 4 → 8 → 8 → 3, with Equinox's default activation (ReLU) if `None`."""
+    kwargs = {} if activation is None else {"activation": activation}
+    return _build(lambda k: cls(4, 3, 8, 2, key=k, **kwargs), 3)
+
+
+def _caught(build):
+    """Every warning raised while `build()` runs (any kind: none may go unseen)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return caught
+
+
+def _check_warns(build, *parts):
+    """`build()` warns once, a `NonNegativeSignInputWarning` whose message has
+    every one of `parts`."""
+    caught = _caught(build)
+    assert [w.category for w in caught] == [_Warning], caught
+    message = str(caught[0].message)
+    for part in parts:
+        assert part in message, (part, message)
+
+
+def _check_silent(build):
+    caught = _caught(build)
+    assert caught == [], [str(w.message) for w in caught]
+
+
+SIGNS = {
+    "SteSign": eqxrules.SteSign(),
+    "SteSign(clip_value=None)": eqxrules.SteSign(clip_value=None),
+    "ApproxSign": eqxrules.ApproxSign(),
+    "SwishSign": eqxrules.SwishSign(),
+    "QuadraticSign": eqxrules.QuadraticSign(),
+    "ste_sign": eqxrules.ste_sign,
+}
+NON_NEGATIVE = {
+    "jax.nn.relu": None,  # Equinox's default
+    "jax.nn.sigmoid": jax.nn.sigmoid,
+    "jax.nn.softplus": jax.nn.softplus,
+    "jnp.abs": jnp.abs,
+}
+
+
+@pytest.mark.parametrize("sign", list(SIGNS))
+@pytest.mark.parametrize("activation", list(NON_NEGATIVE))
+def test_quantize_warns_when_a_sign_sees_only_non_negative_inputs(sign, activation):
+    mlp = _relu_mlp(NON_NEGATIVE[activation])
+    _check_warns(
+        lambda: eqxrules.quantize(mlp, input_quantizer=SIGNS[sign]),
+        "`quantize`",
+        "of `model.layers[1]`, `model.layers[2]` sees",
+        f"`{activation}`",
+        "+1 everywhere",
+        "`jax.nn.hard_tanh`",
+        "`where=`",
+    )
+
+
+def test_the_warning_is_true_and_names_only_the_layers_after_the_activation():
+    """The trap's output is the same for inputs of both signs (the tanh MLP's is
+    not: the check can fail); with `where`, only the chosen layer is named, and an
+    MLP inside another model is found, with its path."""
+
+    def outputs(mlp):
+        binary = eqxrules.quantize(mlp, input_quantizer=eqxrules.SteSign())
+        x = jnp.array([[0.3, -1.2, 0.5, 2.0], [-0.7, 0.4, -2.0, 1.0]])
+        return np.asarray(jax.vmap(binary)(x))
+
+    with pytest.warns(_Warning):
+        out = outputs(_relu_mlp())
+    np.testing.assert_array_equal(out[0], out[1])
+    out = outputs(_mlp())  # tanh: no warning, and the outputs differ
+    with pytest.raises(AssertionError):
+        np.testing.assert_array_equal(out[0], out[1])
+
+    mlp = _relu_mlp()
+    last = mlp.layers[2]
+    _check_warns(
+        lambda: eqxrules.quantize(
+            mlp, input_quantizer=eqxrules.SteSign(), where=lambda m: m is last
+        ),
+        "of `model.layers[2]` sees",
+    )
+    nested = eqx.nn.Sequential([eqx.nn.Lambda(jnp.tanh), mlp])
+    _check_warns(
+        lambda: eqxrules.quantize(nested, input_quantizer=eqxrules.SteSign()),
+        "of `model.layers[1].layers[1]`, `model.layers[1].layers[2]` sees",
+        "of the `eqx.nn.MLP` at `model.layers[1]`",
+    )
+
+
+def test_planted_defect_a_detector_that_misses_relu_fails_the_warning_check(
+    monkeypatch,
+):
+    mlp = _relu_mlp()
+    monkeypatch.setattr(eqxrules._layers, "_NON_NEGATIVE", ())
+    with pytest.raises(AssertionError):
+        _check_warns(lambda: eqxrules.quantize(mlp, input_quantizer=eqxrules.SteSign()))
+
+
+class _SignedMLP(eqx.nn.MLP):
+    """An MLP subclass: it may call its layers otherwise, so nothing is proved."""
+
+
+def _quantize_case(mlp, **kwargs):
+    return lambda: eqxrules.quantize(mlp, **kwargs)
+
+
+def _first_only(mlp):
+    first = mlp.layers[0]
+    return lambda m: m is first
+
+
+def _second_only(mlp):
+    second = mlp.layers[1]
+    return lambda m: m is second
+
+
+_S = eqxrules.SteSign()
+_RELU = _relu_mlp()
+# Each case where nothing is provable (so no warning), beside its twin that differs
+# in the one thing that makes it provable: the silence check fails on the twin.
+SILENT = {
+    "tanh activation": (
+        _quantize_case(_mlp(), input_quantizer=_S),
+        _quantize_case(_RELU, input_quantizer=_S),
+    ),
+    "first layer only": (
+        _quantize_case(_RELU, input_quantizer=_S, where=_first_only(_RELU)),
+        _quantize_case(_RELU, input_quantizer=_S, where=_second_only(_RELU)),
+    ),
+    "a weight quantiser": (
+        _quantize_case(_RELU, kernel_quantizer=_S),
+        _quantize_case(_RELU, input_quantizer=_S),
+    ),
+    "Heaviside, 0 or 1 after ReLU": (
+        _quantize_case(_RELU, input_quantizer=eqxrules.SteHeaviside()),
+        _quantize_case(_RELU, input_quantizer=eqxrules.ApproxSign()),
+    ),
+    "an MLP subclass": (
+        _quantize_case(_relu_mlp(cls=_SignedMLP), input_quantizer=_S),
+        _quantize_case(_relu_mlp(), input_quantizer=_S),
+    ),
+    "already quantised": (
+        _quantize_case(
+            eqxrules.quantize(_RELU, kernel_quantizer=_S), input_quantizer=_S
+        ),
+        _quantize_case(_RELU, input_quantizer=_S),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SILENT))
+def test_quantize_does_not_warn_where_nothing_is_proved(case):
+    silent, twin = SILENT[case]
+    _check_silent(silent)
+    with pytest.raises(AssertionError):  # the planted defect: the provable twin
+        _check_silent(twin)
