@@ -15,6 +15,7 @@ from ._catalogue import (
 )
 from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import (
+    NonNegativeSignInputWarning as NonNegativeSignInputWarning,
     Quantized as Quantized,
     calibrate as calibrate,
     quantize as quantize,
@@ -27,6 +28,7 @@ __all__ = [
     "Domain",
     "Entry",
     "JVPRule",
+    "NonNegativeSignInputWarning",
     "PytreeRule",
     "Quantized",
     "Rule",

@@ -9,7 +9,9 @@ its output is then +1 everywhere.
 A quantiser with learned parameters (an [`LSQ`][] step, say) joins in through one
 method, `initialised_from(array) -> quantiser`: a copy of itself fitted to `array`.
 `quantize` calls it on each layer's weight, `calibrate` on each layer's input;
-nothing here names a quantiser, but for the warning's sign rules (`_SIGNS`)."""
+nothing here names a quantiser: the warning's sign rules are those that declare
+`constant_on_non_negative: ClassVar[bool] = True` (their value is +1 on every
+non-negative input)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from ._catalogue import call_with_key
-from ._rules.sign import ApproxSign, QuadraticSign, SteSign, SwishSign
+from ._catalogue import Rule, call_with_key
+from ._registry import catalogue
 
 _M = TypeVar("_M")
 
@@ -177,11 +179,6 @@ class NonNegativeSignInputWarning(UserWarning):
     chance. What is detected is listed under [`quantize`][]."""
 
 
-# Rules whose value is +1 on every non-negative input (sign(0) = +1), and their
-# functional forms. (Not `MagnitudeAwareSign`, `SteHeaviside` or `SteTernary`: their
-# value still varies there.)
-_SIGNS = (SteSign, ApproxSign, SwishSign, QuadraticSign)
-
 # Activations whose value is never negative (NaN aside), named as a user writes them.
 _NON_NEGATIVE = (
     (jax.nn.relu, "jax.nn.relu"),
@@ -198,9 +195,13 @@ _NON_NEGATIVE = (
 
 
 def _is_sign(quantizer: Any) -> bool:
-    return isinstance(quantizer, _SIGNS) or any(
-        quantizer is rule.function for rule in _SIGNS
-    )
+    """Whether `quantizer` (a rule, or a rule's functional form) declares that its
+    value is +1 on every non-negative input (sign(0) = +1)."""
+    if isinstance(quantizer, Rule):
+        rule: Any = type(quantizer)
+    else:
+        rule = next((e.module for e in catalogue() if e.function is quantizer), None)
+    return bool(getattr(rule, "constant_on_non_negative", False))
 
 
 def _non_negative_name(activation: Any) -> str | None:
@@ -280,10 +281,10 @@ def quantize(
 
     **Warns:**
 
-    `NonNegativeSignInputWarning` (a `UserWarning`) when `input_quantizer` is a
-    sign whose value is +1 on every non-negative input ([`SteSign`][],
-    [`ApproxSign`][], [`SwishSign`][], [`QuadraticSign`][], or their functional
-    forms) and a layer it is put on provably sees only non-negative inputs (so the
+    [`NonNegativeSignInputWarning`][] (a `UserWarning`) when `input_quantizer` is a
+    sign whose value is +1 on every non-negative input (a rule that declares
+    `constant_on_non_negative = True`: [`SteSign`][], [`ApproxSign`][],
+    [`SwishSign`][], [`QuadraticSign`][], or their functional forms) and a layer it is put on provably sees only non-negative inputs (so the
     sign is constant and the network trains at chance): a layer after the first of an
     `eqx.nn.MLP` (exactly that class, anywhere in `model`) whose `activation` is
     `jax.nn.relu` (the default), `relu6`, `sigmoid`, `hard_sigmoid`, `softplus`,

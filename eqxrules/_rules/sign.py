@@ -25,7 +25,14 @@ from ._elementwise import (
 )
 
 
-class SteSign(_Elementwise):
+class _Sign(_Elementwise):
+    """A sign whose value is +1 on every input >= 0 (sign(0) = +1): `quantize` warns
+    where one follows an activation that is never negative (a ReLU)."""
+
+    constant_on_non_negative: ClassVar[bool] = True
+
+
+class SteSign(_Sign):
     r"""Sign with the straight-through estimator: the workhorse of binarised networks.
 
     $$q = \operatorname{sign}(x), \qquad
@@ -79,7 +86,7 @@ class SteSign(_Elementwise):
         return [cls(), cls(clip_value=0.5), cls(clip_value=None)]
 
 
-class ApproxSign(_Elementwise):
+class ApproxSign(_Sign):
     r"""Sign with the piecewise-polynomial derivative of Bi-Real Net (Liu et al.,
     2018): the derivative of a quadratic approximation of the sign.
 
@@ -120,7 +127,7 @@ class ApproxSign(_Elementwise):
         return 2 * u - u * jnp.abs(u)
 
 
-class SwishSign(_Elementwise):
+class SwishSign(_Sign):
     r"""Sign with the derivative of the SignSwish function (Darabi et al., 2018): a
     smooth surrogate whose sharpness is set by $\beta$.
 
@@ -356,7 +363,7 @@ class SteHeaviside(_Elementwise):
         return masked_identity(x, jnp.abs(x) <= self.clip_value)
 
 
-class QuadraticSign(_Elementwise):
+class QuadraticSign(_Sign):
     r"""Sign with the derivative of a quadratic surrogate of width $c$ = `clip_value`
     (positive): [`ApproxSign`][] (Bi-Real Net) is $c = 1$.
 
