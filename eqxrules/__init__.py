@@ -22,7 +22,7 @@ from ._layers import (
 )
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Domain",
