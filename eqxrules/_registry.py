@@ -190,9 +190,12 @@ def functional(rule: type, *, register: bool = False) -> Callable[[_F], _F]:
 
 def _accepted(primal: inspect.Signature, name: str) -> Any:
     """The annotation of the functional form's input `name`: `primal`'s, where an
-    `Array` is also accepted as anything array-like (a NumPy array, a float)."""
+    `Array` is also accepted as anything array-like (a NumPy array, a float):
+    `Float[Array, "*shape"]` becomes `Float[ArrayLike, "*shape"]`."""
     annotation = primal.parameters[name].annotation
-    return "ArrayLike" if annotation == "Array" else annotation
+    if isinstance(annotation, str):
+        return re.sub(r"\bArray\b", "ArrayLike", annotation, count=1)
+    return annotation
 
 
 def _derived_form(rule: type) -> Callable[..., Any]:

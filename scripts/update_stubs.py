@@ -28,7 +28,7 @@ _HEADER = """\
 from collections.abc import Callable
 from typing import Any
 
-from jaxtyping import Array, ArrayLike, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._typing import PyTree
 """

@@ -4,7 +4,7 @@
 from collections.abc import Callable
 from typing import Any
 
-from jaxtyping import Array, ArrayLike, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._typing import PyTree
 
@@ -19,97 +19,97 @@ from .stop_gradient import StopGradient as StopGradient, stop_gradient_call as s
 from .gradient import GradientReversal as GradientReversal, GradientScale as GradientScale, ClipGradient as ClipGradient, ClipGradientNorm as ClipGradientNorm, ZeroNonFiniteGradient as ZeroNonFiniteGradient
 
 
-def ste_sign(x: ArrayLike, clip_value: float | None = 1.0) -> Array:
+def ste_sign(x: Float[ArrayLike, '*shape'], clip_value: float | None = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`SteSign`][]: `ste_sign(x, clip_value=1.0)`.
 
 sign(x) (sign(0) = +1); derivative `t·[|x| <= clip_value]`, inclusive."""
 
 
-def approx_sign(x: ArrayLike) -> Array:
+def approx_sign(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:
     """Functional form of [`ApproxSign`][]: `approx_sign(x)`.
 
 sign(x); derivative `t·(2 − 2|x|)·[|x| <= 1]` (Bi-Real Net)."""
 
 
-def swish_sign(x: ArrayLike, beta: float = 5.0) -> Array:
+def swish_sign(x: Float[ArrayLike, '*shape'], beta: float = 5.0) -> Float[Array, '*shape']:
     """Functional form of [`SwishSign`][]: `swish_sign(x, beta=5.0)`.
 
 sign(x); derivative `t·β(2 − βx·tanh(βx/2)) / (1 + cosh(βx))` (SignSwish)."""
 
 
-def magnitude_aware_sign(x: ArrayLike, clip_value: float = 1.0) -> Array:
+def magnitude_aware_sign(x: Float[ArrayLike, '*shape'], clip_value: float = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`MagnitudeAwareSign`][]: `magnitude_aware_sign(x, clip_value=1.0)`.
 
 stop_gradient(mean |x| over all axes but the last)·sign(x); derivative that scale·`t·[|x| <= clip_value]`."""
 
 
-def ste_ternary(x: ArrayLike, threshold_value: float = 0.05, clip_value: float = 1.0) -> Array:
+def ste_ternary(x: Float[ArrayLike, '*shape'], threshold_value: float = 0.05, clip_value: float = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`SteTernary`][]: `ste_ternary(x, threshold_value=0.05, clip_value=1.0)`.
 
 +1 where x >= threshold, −1 where x <= −threshold, else 0; derivative `t·[|x| <= clip_value]`."""
 
 
-def ste_heaviside(x: ArrayLike, clip_value: float = 1.0) -> Array:
+def ste_heaviside(x: Float[ArrayLike, '*shape'], clip_value: float = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`SteHeaviside`][]: `ste_heaviside(x, clip_value=1.0)`.
 
 1 where x > 0, else 0; derivative `t·[|x| <= clip_value]`."""
 
 
-def quadratic_sign(x: ArrayLike, *, clip_value: float = 1.0) -> Array:
+def quadratic_sign(x: Float[ArrayLike, '*shape'], *, clip_value: float = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`QuadraticSign`][]: `quadratic_sign(x, *, clip_value=1.0)`.
 
 sign(x); derivative `t·(2/c)·(1 − |x|/c)·[|x| <= c]`, c = clip_value."""
 
 
-def ste_round(x: ArrayLike) -> Array:
+def ste_round(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:
     """Functional form of [`SteRound`][]: `ste_round(x)`.
 
 `jnp.round(x)` (half to even); derivative `t`."""
 
 
-def ste_quantize(x: ArrayLike, bits: int = 8, lo: float = -1.0, hi: float = 1.0) -> Array:
+def ste_quantize(x: Float[ArrayLike, '*shape'], bits: int = 8, lo: float = -1.0, hi: float = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`SteQuantize`][]: `ste_quantize(x, bits=8, lo=-1.0, hi=1.0)`.
 
 uniform quantisation of clip(x, lo, hi) onto 2^bits levels; derivative `t·[lo <= x <= hi]`."""
 
 
-def dorefa_quantize(x: ArrayLike, bits: int = 2) -> Array:
+def dorefa_quantize(x: Float[ArrayLike, '*shape'], bits: int = 2) -> Float[Array, '*shape']:
     """Functional form of [`DoReFa`][]: `dorefa_quantize(x, bits=2)`.
 
 round(clip(x, 0, 1)·n)/n with n = 2^bits − 1; derivative `t·[0 <= x <= 1]`."""
 
 
-def stochastic_round(x: ArrayLike, key: PRNGKeyArray) -> Array:
+def stochastic_round(x: Float[ArrayLike, '*shape'], key: PRNGKeyArray) -> Float[Array, '*shape']:
     """Functional form of [`StochasticRound`][]: `stochastic_round(x, key)`.
 
 floor(x + u), u ~ U[0, 1) (so E[q] = x); derivative `t`."""
 
 
-def lsq_quantize(x: ArrayLike, step: float | Array, *, bits: int, signed: bool = True, grad_scale: float | None = None, axis: int | None = None, offset: float | Array | None = None) -> Array:
+def lsq_quantize(x: Float[ArrayLike, '*shape'], step: float | Array, *, bits: int, signed: bool = True, grad_scale: float | None = None, axis: int | None = None, offset: float | Array | None = None) -> Float[Array, '*shape']:
     """Functional form of [`LSQ`][]: `lsq_quantize(x, step, *, bits, signed=True, grad_scale=None, axis=None, offset=None)`.
 
 round(clip((x − offset)/step, −Q_n, Q_p))·step + offset, step learned; derivative `t·[inside]`, step's g·(round(u) − u, or the clipped level) (LSQ, LSQ+)."""
 
 
-def pact_quantize(x: ArrayLike, alpha: float | Array, *, bits: int) -> Array:
+def pact_quantize(x: Float[ArrayLike, '*shape'], alpha: float | Array, *, bits: int) -> Float[Array, '*shape']:
     """Functional form of [`PACT`][]: `pact_quantize(x, alpha, *, bits)`.
 
 round(clip(x, 0, α)·n/α)·α/n with n = 2^bits − 1, α learned; derivative `t·[0 <= x < α]`, α's `[x >= α]` (PACT)."""
 
 
-def float_quantize(x: ArrayLike, *, format: str = 'e4m3', scale: float = 1.0) -> Array:
+def float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', scale: float = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`FloatQuantize`][]: `float_quantize(x, *, format='e4m3', scale=1.0)`.
 
 scale·round_fmt(clip(x/scale, ±max)) to FP8/FP6/FP4 (e4m3, e5m2, e3m2, e2m3, e2m1), ties to even; derivative `t·[|x/scale| <= max]`."""
 
 
-def mx_quantize(x: ArrayLike, *, format: str = 'e2m1', block_size: int = 32, axis: int = -1) -> Array:
+def mx_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e2m1', block_size: int = 32, axis: int = -1) -> Float[Array, '*shape']:
     """Functional form of [`MXQuantize`][]: `mx_quantize(x, *, format='e2m1', block_size=32, axis=-1)`.
 
 OCP MX: blocks of block_size along axis share the scale X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)); derivative `t`."""
 
 
-def nvfp4_quantize(x: ArrayLike, *, axis: int = -1) -> Array:
+def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, axis: int = -1) -> Float[Array, '*shape']:
     """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, axis=-1)`.
 
 NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3(amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)); derivative `t`."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._catalogue import Domain, JVPRule, check_axis, check_float_array
 from .._hyper import Check, at_least, axis_index, hyperparameter, integer, positive
@@ -103,7 +103,7 @@ class FloatQuantize(_Elementwise):
             type(self).domain, low=-r, high=r, kinks=tuple(self.kinks())
         )
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         fmt, u = self._fmt_and_u(x)
         # Clipping selects with the mask, so XLA computes the mask once, in the
         # forward pass, and keeps that boolean for the backward pass. (Written as
@@ -253,7 +253,7 @@ class MXQuantize(_Blocked):
     def block(self) -> tuple[int, str]:
         return self.block_size, f"`block_size` (={self.block_size})"
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
         amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
@@ -327,7 +327,7 @@ class NVFP4Quantize(_Blocked):
     def block(self) -> tuple[int, str]:
         return 16, "16 (NVFP4's block size)"
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
         t = divide(jnp.max(jnp.abs(w), initial=0.0), 448.0 * 6)

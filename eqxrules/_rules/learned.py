@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._catalogue import (
     Domain,
@@ -200,7 +200,7 @@ class LSQ(JVPRule):
         n = max(x.size // max(jnp.size(self.step), 1), 1)
         return 1.0 / math.sqrt(n * self._levels()[1])
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         qn, qp = self._levels()
         w, s, b = self._params(x)
         v = x.astype(w) if b is None else x.astype(w) - b
@@ -385,7 +385,7 @@ class PACT(JVPRule):
         check_float_array(self.rule_name(), args)
         check_broadcasts(self.rule_name(), "alpha", self.alpha, jnp.shape(args[0]))
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         n = 2**self.bits - 1
         w = _compute_dtype(x, self.alpha)
         a = jnp.asarray(self.alpha).astype(w)

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._catalogue import Domain
 from .._hyper import (
@@ -78,7 +78,7 @@ class SteRound(_Elementwise):
     def kinks(self) -> tuple[float, ...]:
         return (-1.5, -0.5, 0.5, 1.5)
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return jnp.round(x)
 
     def slope(self, x: Array) -> None:
@@ -145,7 +145,7 @@ class SteQuantize(_Elementwise):
     def kinks(self) -> tuple[float, ...]:
         return _quantizer_kinks(self.bits, self.lo, self.hi)
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return quantize(x, self.bits, self.lo, self.hi, self.slope(x))
 
     def slope(self, x: Array) -> Array:
@@ -195,7 +195,7 @@ class DoReFa(_Elementwise):
     def kinks(self) -> tuple[float, ...]:
         return _quantizer_kinks(self.bits, 0.0, 1.0)
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return quantize(x, self.bits, 0.0, 1.0, self.slope(x))
 
     def slope(self, x: Array) -> Array:
@@ -236,7 +236,9 @@ class StochasticRound(_Elementwise):
     def kinks(self) -> tuple[float, ...]:
         return (-1.0, 0.0, 1.0)
 
-    def primal(self, x: Array, *, key: PRNGKeyArray) -> Array:
+    def primal(
+        self, x: Float[Array, "*shape"], *, key: PRNGKeyArray
+    ) -> Float[Array, "*shape"]:
         w = wide(x.dtype)
         u = jax.random.uniform(key, x.shape, w)
         return jnp.floor(x.astype(w) + u).astype(x.dtype)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._catalogue import JVPRule, check_float_array
 from .._hyper import hyperparameter, non_negative, positive
@@ -67,7 +67,7 @@ class SteSign(_Sign):
     def kinks(self) -> tuple[float, ...]:
         return (0.0, *clip_kinks(self.clip_value))
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return sign(x)
 
     def slope(self, x: Array) -> Array | None:
@@ -110,7 +110,7 @@ class ApproxSign(_Sign):
     def kinks(self) -> tuple[float, ...]:
         return (-1.0, 0.0, 1.0)
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return sign(x)
 
     def slope(self, x: Array) -> Array:
@@ -157,7 +157,7 @@ class SwishSign(_Sign):
     def kinks(self) -> tuple[float, ...]:
         return (0.0,)
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return sign(x)
 
     def slope(self, x: Array) -> Array:
@@ -234,7 +234,7 @@ class MagnitudeAwareSign(JVPRule):
     def _check_call(self, args: tuple[Any, ...]) -> None:
         check_float_array(self.rule_name(), args)
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         # No NaN select: the magnitude is already NaN wherever `x` is.
         return _magnitude(x) * jnp.where(x >= 0, 1, -1).astype(x.dtype)
 
@@ -303,7 +303,7 @@ class SteTernary(_Elementwise):
         th = self.threshold_value
         return (-th, th, *clip_kinks(self.clip_value))
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         th = self.threshold_value
         q = jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0)).astype(x.dtype)
         return jnp.where(jnp.isnan(x), x, q)
@@ -350,7 +350,7 @@ class SteHeaviside(_Elementwise):
     def kinks(self) -> tuple[float, ...]:
         return (0.0, *clip_kinks(self.clip_value))
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return jnp.where(jnp.isnan(x), x, (x > 0).astype(x.dtype))
 
     def slope(self, x: Array) -> Array:
@@ -386,7 +386,7 @@ class QuadraticSign(_Sign):
     def kinks(self) -> tuple[float, ...]:
         return (-self.clip_value, 0.0, self.clip_value)
 
-    def primal(self, x: Array) -> Array:
+    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return sign(x)
 
     def slope(self, x: Array) -> Array:
