@@ -429,7 +429,10 @@ def calibrate(
             continue
         # Every input the layer saw, stacked along a new first axis (so an `axis`
         # of an input quantiser is best counted from the end); flattened and
-        # joined if their shapes differ.
+        # joined if their shapes differ. The callbacks arrive in no fixed order:
+        # put the examples in one (by their bytes), so that the fit, a sum in
+        # floating point, is the same bits on every call.
+        inputs = sorted(inputs, key=lambda a: (a.shape, a.tobytes()))
         if len({a.shape for a in inputs}) == 1:
             samples = jnp.asarray(np.stack(inputs))
         else:

@@ -318,3 +318,20 @@ def test_derived_functional_forms_take_the_step_by_position():
     )
     with pytest.raises(TypeError, match="`lsq_quantize`.*by keyword"):
         eqxrules.lsq_quantize(x, jnp.array(0.5), 2)  # type: ignore[misc]
+
+
+def test_calibrate_gives_the_same_bits_every_time():
+    """The recorders' callbacks arrive in no fixed order; the fit must not depend on
+    it. (Before the examples were put in order, 5 calls on this batch gave 3
+    different first-layer steps in the last bits.)"""
+    mlp = eqx.nn.MLP(64, 10, 64, 2, key=jax.random.key(0))
+    q = eqxrules.quantize(
+        mlp,
+        kernel_quantizer=eqxrules.LSQ(1.0, bits=4, axis=0),
+        input_quantizer=eqxrules.LSQ(1.0, bits=4),
+    )
+    x = jax.random.normal(jax.random.key(1), (64, 64))
+    runs = [eqxrules.calibrate(q, x) for _ in range(5)]
+    for i in range(len(mlp.layers)):
+        bits = {np.asarray(r.layers[i].input_quantizer.step).tobytes() for r in runs}
+        assert len(bits) == 1, (i, len(bits))
