@@ -416,8 +416,9 @@ def entry_of(rule: type) -> Entry:
     its derived functional form here without being given it (or joining)."""
     if rule in _REGISTRY:
         return next(e for e in catalogue() if e.module is rule)
-    function = rule.__dict__.get("function")
-    return _entry(rule, rule.function if function is not None else _derived_form(rule))
+    # Its own form only: a subclass of a library rule inherits the library's.
+    own = rule.__dict__.get("function") is not None
+    return _entry(rule, rule.function if own else _derived_form(rule))
 
 
 def catalogue() -> tuple[Entry, ...]:

@@ -29,6 +29,7 @@ class EntryResult:
     reports: list[RuleReport]
     seconds: float
     labels: list[str] = dataclasses.field(default_factory=list)  # one per report
+    examples: list[Any] = dataclasses.field(default_factory=list)  # those checked
 
     @property
     def passed(self) -> bool:
@@ -68,7 +69,8 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
     start = time.perf_counter()
     reports = []
     labels = []
-    for i, rule in enumerate(entry.examples(k_examples)):
+    examples = list(entry.examples(k_examples))
+    for i, rule in enumerate(examples):
         labels.append(f"example {i} ({rule!r}) at its kinks")
         domain = rule.input_domain()
         on_kinks = domain.sample(k_on, off_kinks=False)
@@ -87,7 +89,8 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
                     fn, *args, **refs, finite_differences=True, raise_on_failure=False
                 )
             )
-    return EntryResult(entry, reports, time.perf_counter() - start, labels)
+    seconds = time.perf_counter() - start
+    return EntryResult(entry, reports, seconds, labels, examples)
 
 
 @dataclasses.dataclass
@@ -251,7 +254,7 @@ def verify_rule(
             if why is not None:
                 problems.append(f"`{bad.argument}`={bad.value!r}: {why}")
         if entry.elementwise:
-            for i, m in enumerate(entry.examples(key)):
+            for i, m in enumerate(result.examples):
                 problems += [f"example {i}: {p}" for p in _keeps_dtype(entry, m, key)]
     verification = RuleVerification(
         rule, reports, problems, time.perf_counter() - start

@@ -187,17 +187,11 @@ def _resolve(path: str) -> Any:
         return getattr(importlib.import_module(module), name)
 
 
-def _own_members(cls: type, inherited: bool = False) -> dict[str, Any]:
+def _own_members(cls: type) -> dict[str, Any]:
     """The public methods and properties `cls` defines itself (mkdocstrings shows
-    each with its own docstring: it does not inherit one), and with `inherited`
-    those of its bases inside eqxrules's rule modules too (a rule's family base)."""
+    each with its own docstring: it does not inherit one)."""
     out = {}
-    bases = [
-        k for k in cls.__mro__[1:] if inherited and k.__module__.startswith(_FAMILIES)
-    ]
-    for name, value in [
-        (n, v) for k in [*bases[::-1], cls] for n, v in vars(k).items()
-    ]:
+    for name, value in vars(cls).items():
         if name.startswith("_"):
             continue
         if isinstance(value, (classmethod, staticmethod)):
@@ -205,9 +199,6 @@ def _own_members(cls: type, inherited: bool = False) -> dict[str, Any]:
         if isinstance(value, property) or inspect.isfunction(value):
             out[name] = value
     return out
-
-
-_FAMILIES = "eqxrules._rules"
 
 
 def missing_docstrings(pages: dict[str, str]) -> list[str]:
@@ -225,9 +216,7 @@ def missing_docstrings(pages: dict[str, str]) -> list[str]:
                 hidden = [re.compile(f) for f in _NEGATIVE_FILTER.findall(m["options"])]
                 missing += [
                     f"{path}.{name}"
-                    for name, member in _own_members(
-                        obj, inherited=bool(hidden)
-                    ).items()
+                    for name, member in _own_members(obj).items()
                     if not (member.__doc__ or "").strip()
                     and not any(h.search(name) for h in hidden)
                 ]
