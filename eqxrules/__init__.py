@@ -4,6 +4,7 @@ checked against a reference."""
 from . import _rules, checks as checks, testing as testing
 from ._catalogue import (
     Domain as Domain,
+    ElementwiseRule as ElementwiseRule,
     Entry as Entry,
     JVPRule as JVPRule,
     PytreeRule as PytreeRule,
@@ -26,6 +27,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "Domain",
+    "ElementwiseRule",
     "Entry",
     "JVPRule",
     "NonNegativeSignInputWarning",

@@ -142,6 +142,9 @@ class Rule(eqx.Module):
         gradient, and the output has `x`'s structure.
     - `functional_name`: the functional form's name, where it is not the class
         name in snake case (`DoReFa` is `dorefa_quantize`).
+    - `constant_on_non_negative` (default `False`): `True` if the value is the same
+        on every input >= 0 (a sign: +1), so that [`quantize`][] warns where the
+        rule would follow an activation that is never negative (a ReLU).
     """
 
     summary: ClassVar[str] = ""
@@ -150,6 +153,7 @@ class Rule(eqx.Module):
     forward_mode: ClassVar[bool] = True
     domain: ClassVar[Domain] = Domain()
     pytree_input: ClassVar[bool] = False
+    constant_on_non_negative: ClassVar[bool] = False
     function: ClassVar[Callable[..., Any] | None] = None
     functional_name: ClassVar[str] = ""
 
@@ -301,7 +305,15 @@ class JVPRule(Rule):
         **kwargs: Any,
     ) -> Any:
         """The tangent of the output: linear in `t_args` and `t_self`."""
-        raise NotImplementedError
+        hint = (
+            " (`slope` is read only by `ElementwiseRule`: subclass it instead)"
+            if callable(getattr(self, "slope", None))
+            else ""
+        )
+        raise NotImplementedError(
+            f"`{self.rule_name()}` defines no `tangent`: a `JVPRule` gives its "
+            f"derivative as `tangent(args, t_args, t_self, out)`{hint}."
+        )
 
     def __call__(
         self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -310,6 +322,48 @@ class JVPRule(Rule):
         every other rule accepts and ignores it, as an Equinox layer does."""
         args, kwargs = self._prepare(args, key, kwargs)
         return apply_jvp_rule(self, *args, **kwargs)
+
+
+class ElementwiseRule(JVPRule):
+    r"""A rule on one floating-point array whose derivative is one number per
+    element: the tangent is $t \cdot \mathrm{slope}(x)$, in the input's dtype.
+    Subclasses define `primal` and `slope` instead of `tangent`.
+
+    `slope(x)` returns a boolean mask (the tangent is $t$ where it holds, else 0),
+    an array of slopes, or `None` for the identity ($t$ passes through). Where the
+    slope is 0 (or the mask false) the tangent is selected to be exactly 0, never
+    multiplied, in both modes: an inf or NaN tangent or cotangent there gives 0.
+    """
+
+    def slope(self, x: Array) -> Array | None:
+        """The derivative per element: a boolean mask, an array of slopes (in
+        `x`'s shape), or `None` for the identity."""
+        raise NotImplementedError(
+            f"`{self.rule_name()}` defines no `slope`: an `ElementwiseRule` gives its "
+            "derivative as `slope(x)` (a mask, slopes, or `None` for the identity)."
+        )
+
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
+        (x,) = args
+        (t,) = t_args
+        if t is None:
+            return None
+        s = self.slope(x)
+        if s is None:
+            return t
+        if s.dtype == jnp.bool_:
+            return jnp.where(s, t, jnp.zeros_like(t))
+        # Selected, not multiplied, where the slope is 0: an inf or NaN tangent
+        # there gives 0, not `0 * inf`; and the transpose multiplies the selected
+        # cotangent by a slope that is exactly 0 there.
+        return jnp.where(s == 0, jnp.zeros_like(t), t * s)
 
 
 class VJPRule(Rule):
@@ -484,6 +538,7 @@ def check_broadcasts(rule: str, argument: str, value: Any, x_shape: Any) -> None
 
 __all__ = [
     "Domain",
+    "ElementwiseRule",
     "Entry",
     "JVPRule",
     "PytreeRule",

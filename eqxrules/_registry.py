@@ -301,15 +301,24 @@ def missing_parts(rule: type) -> list[str]:
         missing.append("a class docstring (the maths, the arguments, an example)")
     if not rule.summary:
         missing.append("`summary` (the maths in one line of text)")
+    bases = {k.__name__ for k in rule.__mro__ if k.__module__ == _BASES}
+    derivative = (
+        "bwd" if "VJPRule" in bases else "slope" if "ElementwiseRule" in bases else ""
+    )
     needs = [
         ("primal", "`primal` (the value)"),
         (
-            "bwd" if "VJPRule" in (k.__name__ for k in rule.__mro__) else "tangent",
-            "the derivative (`tangent`, or `bwd` for a `VJPRule`)",
+            derivative or "tangent",
+            "the derivative (`tangent`; `slope` for an `ElementwiseRule`, `bwd` for "
+            "a `VJPRule`)",
         ),
         ("reference_forward", "`reference_forward` (an independent reference value)"),
     ]
     missing += [what for method, what in needs if not _defines(rule, method)]
+    if not derivative and "slope" in dir(rule) and not _defines(rule, "tangent"):
+        missing.append(
+            "a `tangent`: `slope` is read only by `ElementwiseRule` (subclass it)"
+        )
     if not (_defines(rule, "reference_derivative") or _defines(rule, "reference_vjp")):
         missing.append(
             "`reference_derivative` or `reference_vjp` (an independent reference "

@@ -67,7 +67,12 @@ def test_every_public_rule_class_is_in_the_catalogue():
     """Defining a rule in `eqxrules._rules` registers it: none can drop out of the
     catalogue, the tests, the CLI or the README."""
     catalogued = {e.module for e in ENTRIES}
-    bases = {eqxrules.JVPRule, eqxrules.VJPRule, eqxrules.PytreeRule}
+    bases = {
+        eqxrules.JVPRule,
+        eqxrules.VJPRule,
+        eqxrules.PytreeRule,
+        eqxrules.ElementwiseRule,
+    }
     missing = [
         c.__name__ for c in _public_rule_classes() if c not in bases | catalogued
     ]
@@ -372,77 +377,49 @@ def test_the_bit_pattern_check_catches_the_old_grid_formula():
     assert _value_mismatches(_OldGrid(), jnp.bfloat16) > 10_000
 
 
-def _own_maths(rule) -> bool:
-    """No arrays or callables inside: the derivative is the rule's own formula, not
-    the autodiff of a wrapped model or surrogate (whose `0 * inf` is its own)."""
-    return not jtu.tree_leaves(rule)
+# Where a derivative is 0 it stays exactly 0 beside non-finite values (masks select,
+# never multiply): tests/test_nonfinite.py.
 
 
-def _probe_inputs(rule) -> list[jax.Array]:
-    """The domain's kinks, a float either side of each, its ends and beyond, zero;
-    then the same with one element +inf, -inf or NaN (which make a scale such as a
-    mean magnitude non-finite)."""
-    d = rule.input_domain()
-    f32 = np.float32
-    pool = [f32(v) for v in (*d.kinks, d.low, d.high, d.low - 1, d.high + 1, 0.0)]
-    pool += [np.nextafter(v, f32(s)) for v in pool[: len(d.kinks)] for s in (-1, 1)]
-    size = int(np.prod(d.shape))
-    base = np.resize(np.asarray(pool, f32), size)
-    out = [base]
-    for bad in (np.inf, -np.inf, np.nan):
-        x = base.copy()
-        x[0] = bad
-        out.append(x)
-    return [jnp.asarray(x.reshape(d.shape)) for x in out]
+class _SlopeOnly(eqxrules.JVPRule):
+    """The planted defect: a `JVPRule` giving its derivative as `slope`, which only
+    `ElementwiseRule` reads (0.2.0 raised an empty `NotImplementedError` at call)."""
+
+    def primal(self, x):
+        return jnp.sign(x)
+
+    def slope(self, x):
+        return jnp.abs(x) <= 1
 
 
-def _unselected(entry, rule) -> list[str]:
-    """Where the reference derivative is diagonal (each output depends on its own
-    input only) and exactly 0, the rule's cotangent (and tangent, in forward mode)
-    must be exactly 0 for an incoming +inf, -inf or NaN: masks select, they never
-    multiply. The places that are not, described."""
-    found = []
-    kw = rule.call_kwargs(KEY)
-    for x in _probe_inputs(rule):
-        jac = jax.jacfwd(lambda x: rule.reference_derivative(x, **kw))(x)
-        jac = np.asarray(jac).reshape(x.size, x.size)
-        if np.any(jac[~np.eye(x.size, dtype=bool)] != 0):
-            continue  # not diagonal: a zero there is a sum that cancels
-        zero = np.diag(jac) == 0
-        out, pullback = jax.vjp(lambda x: rule(x, **kw), x)
-        for c in (np.inf, -np.inf, np.nan):
-            flows = {"cotangent": pullback(jnp.full(out.shape, c, out.dtype))[0]}
-            if entry.forward_mode:
-                t = jnp.full(x.shape, c, x.dtype)
-                flows["tangent"] = jax.jvp(lambda x: rule(x, **kw), (x,), (t,))[1]
-            for what, g in flows.items():
-                g = np.asarray(g).reshape(-1)[zero]
-                if np.any(g != 0) or np.any(np.isnan(g)):
-                    found.append(f"{what} {c} at x={np.asarray(x).reshape(-1)[0]}")
-    return found
+def test_a_slope_without_elementwise_rule_is_named():
+    with pytest.raises(NotImplementedError, match="`_SlopeOnly` defines no `tangent`"):
+        jax.grad(lambda x: _SlopeOnly()(x).sum())(jnp.ones(3))
+    with pytest.raises(NotImplementedError, match="subclass it instead"):
+        jax.jvp(_SlopeOnly(), (jnp.ones(3),), (jnp.ones(3),))
+    assert any("`ElementwiseRule`" in m for m in missing_parts(_SlopeOnly))
 
 
-@pytest.mark.parametrize(
-    "entry,index",
-    [c for c in CASES if not c.values[0].reference_vjp],
-)
-def test_zero_derivative_gives_exactly_zero_whatever_comes_in(entry, index):
-    """Masked gradients are selected, never multiplied: an inf or NaN cotangent (or
-    scale) where the derivative is 0 gives 0, not NaN (larq's behaviour; a bare
-    `t * mask` gives `0 * inf`)."""
-    rule = _example(entry, index)
-    if _own_maths(rule):
-        assert _unselected(entry, rule) == []
+class _Slope(eqxrules.ElementwiseRule):
+    r"""$q = \operatorname{sign}(x)$, $\dot q = t\,[|x| \le 1]$: a rule of one's
+    own on the public base, its derivative given by `slope` alone."""
+
+    summary: ClassVar[str] = "sign(x); derivative `t·[|x| <= 1]`"
+
+    def primal(self, x):
+        return jnp.sign(x) + (x == 0)
+
+    def slope(self, x):
+        return jnp.abs(x) <= 1
+
+    def reference_forward(self, x):
+        return jnp.where(x < 0, -1.0, 1.0).astype(x.dtype)
+
+    def reference_derivative(self, x):
+        return jnp.where(jnp.abs(x) <= 1, x, 0.0)
 
 
-class _Multiplied(eqxrules.SteSign):
-    """The planted defect: the clip mask multiplied in, not selected."""
-
-    def tangent(self, args, t_args, t_self, out, **kwargs):
-        (x,), (t,) = args, t_args
-        return t * (jnp.abs(x) <= self.clip_value).astype(t.dtype)
-
-
-def test_the_zero_derivative_check_catches_a_multiplied_mask():
-    entry = next(e for e in ENTRIES if isinstance(_example(e, 0), eqxrules.SteSign))
-    assert _unselected(entry, _Multiplied())
+def test_elementwise_rule_is_a_public_base_whose_slope_is_the_derivative():
+    assert missing_parts(_Slope) == ["registration (define it in `eqxrules._rules`)"]
+    g = jax.grad(lambda x: _Slope()(x).sum())(jnp.array([-2.0, -1.0, 0.5, 3.0]))
+    np.testing.assert_array_equal(g, [0.0, 1.0, 1.0, 0.0])

@@ -1,5 +1,5 @@
-r"""What the elementwise straight-through rules share: the `_Elementwise` base (the
-tangent is the incoming tangent times a slope) and a few exact helpers.
+r"""What the elementwise straight-through rules share: the [`ElementwiseRule`][]
+base (the tangent is the incoming tangent times a slope) and a few exact helpers.
 
 Notation in the docstrings: $t$ is the incoming tangent, $[\cdot]$ is 1 where the
 condition holds and 0 elsewhere, and $\operatorname{sign}(x)$ is $+1$ for $x \ge 0$
@@ -29,41 +29,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._catalogue import JVPRule
+from .._catalogue import ElementwiseRule
 
 sg = jax.lax.stop_gradient
 
 
-class _Elementwise(JVPRule):
-    """An elementwise rule whose tangent is `t · slope(x)`, in the input's dtype.
-    `slope` may return a boolean mask (the tangent is `t` where it holds, else 0),
-    an array of slopes, or `None` for the identity (`t` passes through). Where the
-    slope is 0 (or the mask false) the tangent is selected to be exactly 0, never
-    multiplied: an inf or NaN incoming tangent or cotangent there gives 0."""
-
-    def slope(self, x: Array) -> Array | None:
-        raise NotImplementedError
-
-    def tangent(
-        self,
-        args: tuple[Any, ...],
-        t_args: tuple[Any, ...],
-        t_self: Any,
-        out: Any,
-        **kwargs: Any,
-    ) -> Any:
-        (x,) = args
-        (t,) = t_args
-        if t is None:
-            return None
-        s = self.slope(x)
-        if s is None:
-            return t
-        if s.dtype == jnp.bool_:
-            return jnp.where(s, t, jnp.zeros_like(t))
-        # Selected, not multiplied, where the slope is 0: an inf or NaN tangent
-        # there gives 0, not `0 * inf`.
-        return jnp.where(s == 0, jnp.zeros_like(t), t * s)
+# The public base, under the name the rule modules use.
+_Elementwise = ElementwiseRule
 
 
 def wide(dtype: Any) -> Any:
