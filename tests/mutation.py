@@ -9,7 +9,8 @@ to the mutated rule's entry:
 
 1. `tests/test_catalogue.py` (the `check_rule` battery, the hypothesis property, the
    dtypes, integer input, reverse-only naming);
-2. `tests/test_matrix.py` (the transformation matrix).
+2. `tests/test_nonfinite.py` (zero derivatives beside non-finite values);
+3. `tests/test_matrix.py` (the transformation matrix).
 
 A mutation is *caught* when a stage fails; it *survives* when every stage passes.
 A mutation whose target text is not in the source any more is an *error* (the table
@@ -32,7 +33,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("tests/test_catalogue.py", "tests/test_matrix.py")
+STAGES = ("tests/test_catalogue.py", "tests/test_nonfinite.py", "tests/test_matrix.py")
 
 # Appended to a rule's module: wrap `method` of `cls`, mapping its result through
 # `wrap` (a function of the result).
@@ -103,7 +104,6 @@ SG = "eqxrules/_rules/stop_gradient.py"
 GR = "eqxrules/_rules/gradient.py"
 SC = "eqxrules/_rules/scaled.py"
 EX = "eqxrules/_rules/_exact.py"
-EW = "eqxrules/_rules/_elementwise.py"
 CAT = "eqxrules/_catalogue.py"
 LE = "eqxrules/_rules/learned.py"
 FMT = "eqxrules/_rules/_formats.py"
@@ -116,8 +116,8 @@ MUTATIONS = [
         "boundary",
         "ste_sign",
         SIGN,
-        "return None if self.clip_value is None else jnp.abs(x) <= self.clip_value",
-        "return None if self.clip_value is None else jnp.abs(x) < self.clip_value",
+        "return None if c is None else jnp.abs(x.astype(wide(x.dtype))) <= np.float32(c)",
+        "return None if c is None else jnp.abs(x.astype(wide(x.dtype))) < np.float32(c)",
     ),
     Mutation(
         "boundary-ste_quantize-hi",
@@ -140,8 +140,8 @@ MUTATIONS = [
         "boundary",
         "ste_ternary",
         SIGN,
-        "jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0))",
-        "jnp.where(x > th, 1, jnp.where(x <= -th, -1, 0))",
+        "jnp.where(w >= th, 1, jnp.where(w <= -th, -1, 0))",
+        "jnp.where(w > th, 1, jnp.where(w <= -th, -1, 0))",
     ),
     # Round a float format's ties half away from zero, not to even.
     Mutation(
@@ -266,14 +266,14 @@ MUTATIONS = [
         "select",
         "magnitude_aware_sign",
         SIGN,
-        "return jnp.where(mask, t * _magnitude(x), jnp.zeros_like(t))",
-        "return t * (_magnitude(x) * mask.astype(x.dtype))",
+        "scale = jnp.where(mask, scale, jnp.zeros_like(scale))",
+        "scale = scale",
     ),
     Mutation(
         "multiply-zero-slope",
         "select",
         "approx_sign",
-        EW,
+        CAT,
         "return jnp.where(s == 0, jnp.zeros_like(t), t * s)",
         "return t * s",
     ),

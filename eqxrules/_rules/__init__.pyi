@@ -37,19 +37,19 @@ def swish_sign(x: Float[ArrayLike, '*shape'], beta: float = 5.0) -> Float[Array,
 sign(x); derivative `t·β(2 − βx·tanh(βx/2)) / (1 + cosh(βx))` (SignSwish)."""
 
 
-def magnitude_aware_sign(x: Float[ArrayLike, '*shape'], clip_value: float = 1.0) -> Float[Array, '*shape']:
+def magnitude_aware_sign(x: Float[ArrayLike, '*shape'], clip_value: float | None = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`MagnitudeAwareSign`][]: `magnitude_aware_sign(x, clip_value=1.0)`.
 
 stop_gradient(mean |x| over all axes but the last)·sign(x); derivative that scale·`t·[|x| <= clip_value]`."""
 
 
-def ste_ternary(x: Float[ArrayLike, '*shape'], threshold_value: float = 0.05, clip_value: float = 1.0) -> Float[Array, '*shape']:
+def ste_ternary(x: Float[ArrayLike, '*shape'], threshold_value: float = 0.05, clip_value: float | None = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`SteTernary`][]: `ste_ternary(x, threshold_value=0.05, clip_value=1.0)`.
 
 +1 where x >= threshold, −1 where x <= −threshold, else 0; derivative `t·[|x| <= clip_value]`."""
 
 
-def ste_heaviside(x: Float[ArrayLike, '*shape'], clip_value: float = 1.0) -> Float[Array, '*shape']:
+def ste_heaviside(x: Float[ArrayLike, '*shape'], clip_value: float | None = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`SteHeaviside`][]: `ste_heaviside(x, clip_value=1.0)`.
 
 1 where x > 0, else 0; derivative `t·[|x| <= clip_value]`."""
@@ -58,7 +58,7 @@ def ste_heaviside(x: Float[ArrayLike, '*shape'], clip_value: float = 1.0) -> Flo
 def quadratic_sign(x: Float[ArrayLike, '*shape'], *, clip_value: float = 1.0) -> Float[Array, '*shape']:
     """Functional form of [`QuadraticSign`][]: `quadratic_sign(x, *, clip_value=1.0)`.
 
-sign(x); derivative `t·(2/c)·(1 − |x|/c)·[|x| <= c]`, c = clip_value."""
+sign(x); derivative `t·(2/c)·(1 − |x|/c)·[|x| <= c]`."""
 
 
 def ste_round(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:

@@ -10,9 +10,10 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._catalogue import JVPRule, check_float_array
+from .._catalogue import ElementwiseRule, JVPRule, check_float_array
 from .._hyper import hyperparameter, non_negative, positive
 from ._elementwise import (
     _Elementwise,
@@ -23,6 +24,24 @@ from ._elementwise import (
     sign,
     wide,
 )
+from ._exact import ge, le
+
+# A threshold hyperparameter `c` is its float32 value, `np.float32(c)`, and inputs of
+# every dtype are compared with that number exactly: in a dtype that holds both (at
+# least float32). Comparing a bfloat16 input with `c` rounded to bfloat16 instead
+# would misclassify the inputs between the two (larq compares in the input's dtype).
+
+
+def within(x: Array, c: float | None) -> Array | None:
+    """`|x| <= float32(c)`, exactly, whatever `x`'s dtype (`None` without a clip)."""
+    return None if c is None else jnp.abs(x.astype(wide(x.dtype))) <= np.float32(c)
+
+
+def reference_within(x: Array, c: float) -> Array:
+    """Independently of `within`: `-c <= x <= c` in `x`'s own dtype, against `c`
+    rounded outwards into it (`ge`/`le`), which is the same test exactly."""
+    c32 = float(np.float32(c))
+    return ge(x, -c32) & le(x, c32)
 
 
 class _Sign(_Elementwise):
@@ -71,7 +90,7 @@ class SteSign(_Sign):
         return sign(x)
 
     def slope(self, x: Array) -> Array | None:
-        return None if self.clip_value is None else jnp.abs(x) <= self.clip_value
+        return within(x, self.clip_value)
 
     def reference_forward(self, x: Array) -> Array:
         return reference_sign(x)
@@ -79,7 +98,7 @@ class SteSign(_Sign):
     def reference_derivative(self, x: Array) -> Array:
         if self.clip_value is None:
             return x
-        return masked_identity(x, jnp.abs(x) <= self.clip_value)
+        return masked_identity(x, reference_within(x, self.clip_value))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteSign]:
@@ -201,16 +220,17 @@ class MagnitudeAwareSign(JVPRule):
     q = \alpha \operatorname{sign}(x), \qquad
     \dot q = \alpha \cdot t \cdot [\lvert x \rvert \le c]$$
 
-    The mask selects: where $\lvert x \rvert > c$ the tangent is exactly 0, even
-    where $\alpha$ is inf or NaN (a non-finite element in the channel) or $t$ is,
-    as in larq.
+    The mask selects, in both modes: where $\lvert x \rvert > c$ the tangent and the
+    cotangent are exactly 0, even where $\alpha$ is inf or NaN (a non-finite
+    element in the channel) or $t$ is. With `clip_value=None` the derivative is
+    $\alpha t$ everywhere, as in larq.
 
     A 1-D input has no axis to average over, so $\alpha = \lvert x \rvert$ elementwise
     (as in larq). Not elementwise: takes one floating-point array.
 
     **Arguments:**
 
-    - `clip_value`: a non-negative number, $c$.
+    - `clip_value`: a non-negative number, $c$, or `None` for no clipping.
 
     !!! Example
 
@@ -220,7 +240,9 @@ class MagnitudeAwareSign(JVPRule):
         ```
     """
 
-    clip_value: float = hyperparameter(1.0, non_negative, positional=True)
+    clip_value: float | None = hyperparameter(
+        1.0, non_negative, allow_none=True, positional=True
+    )
 
     summary: ClassVar[str] = (
         "stop_gradient(mean |x| over all axes but the last)·sign(x); derivative "
@@ -250,11 +272,16 @@ class MagnitudeAwareSign(JVPRule):
         (t,) = t_args
         if t is None:
             return None
-        # Selected, not multiplied: where the mask is 0 the tangent is exactly 0,
-        # even where the scale is inf or NaN (a non-finite element in the channel)
-        # or `t` is.
-        mask = jnp.abs(x) <= self.clip_value
-        return jnp.where(mask, t * _magnitude(x), jnp.zeros_like(t))
+        scale = _magnitude(x)
+        mask = within(x, self.clip_value)
+        if mask is None:
+            return t * scale
+        # Selected, not multiplied, twice: the outer select makes the tangent 0
+        # where the mask is, whatever `t`; the inner one makes the scale 0 there,
+        # so that the transpose, `where(mask, ct, 0) * scale`, is `0 * 0` and not
+        # `0 * NaN` when a non-finite element makes the channel's scale NaN.
+        scale = jnp.where(mask, scale, jnp.zeros_like(scale))
+        return jnp.where(mask, t * scale, jnp.zeros_like(t))
 
     def reference_forward(self, x: Array) -> Array:
         axes = tuple(range(x.ndim - 1))
@@ -262,11 +289,17 @@ class MagnitudeAwareSign(JVPRule):
         return scale * reference_sign(x)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(sg(_magnitude(x)) * x, jnp.abs(x) <= self.clip_value)
+        scale = sg(_magnitude(x))
+        if self.clip_value is None:
+            return scale * x
+        # The scale is 0 where the mask is, so that the derivative there is 0 in
+        # both modes even where a non-finite element makes the scale NaN.
+        inside = reference_within(x, self.clip_value)
+        return masked_identity(jnp.where(inside, scale, 0) * x, inside)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[MagnitudeAwareSign]:
-        return [cls(), cls(clip_value=0.5)]
+        return [cls(), cls(clip_value=0.5), cls(clip_value=None)]
 
 
 class SteTernary(_Elementwise):
@@ -275,14 +308,14 @@ class SteTernary(_Elementwise):
     $$q = \begin{cases} +1 & x \ge \theta \\ -1 & x \le -\theta \\ 0 & \text{else}
     \end{cases}, \qquad \dot q = t \cdot [\lvert x \rvert \le c]$$
 
-    with $\theta$ = `threshold_value` and $c$ = `clip_value`, both inclusive. A NaN
-    input gives NaN.
+    with $\theta$ = `threshold_value` and $c$ = `clip_value`, both inclusive. With
+    `clip_value=None` the derivative is $t$ everywhere. A NaN input gives NaN.
 
     **Arguments:**
 
     - `threshold_value`: a positive number (at zero, $x = 0$ would be both $+1$ and
         $-1$).
-    - `clip_value`: a non-negative number.
+    - `clip_value`: a non-negative number, or `None` for no clipping.
 
     !!! Example
 
@@ -292,7 +325,9 @@ class SteTernary(_Elementwise):
     """
 
     threshold_value: float = hyperparameter(0.05, positive, positional=True)
-    clip_value: float = hyperparameter(1.0, non_negative, positional=True)
+    clip_value: float | None = hyperparameter(
+        1.0, non_negative, allow_none=True, positional=True
+    )
 
     summary: ClassVar[str] = (
         "+1 where x >= threshold, −1 where x <= −threshold, else 0; derivative "
@@ -304,24 +339,30 @@ class SteTernary(_Elementwise):
         return (-th, th, *clip_kinks(self.clip_value))
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        th = self.threshold_value
-        q = jnp.where(x >= th, 1, jnp.where(x <= -th, -1, 0)).astype(x.dtype)
+        th, w = np.float32(self.threshold_value), x.astype(wide(x.dtype))
+        q = jnp.where(w >= th, 1, jnp.where(w <= -th, -1, 0)).astype(x.dtype)
         return jnp.where(jnp.isnan(x), x, q)
 
-    def slope(self, x: Array) -> Array:
-        return jnp.abs(x) <= self.clip_value
+    def slope(self, x: Array) -> Array | None:
+        return within(x, self.clip_value)
 
     def reference_forward(self, x: Array) -> Array:
-        th = self.threshold_value
-        q = (x >= th).astype(x.dtype) - (x <= -th).astype(x.dtype)
+        th = float(np.float32(self.threshold_value))
+        q = ge(x, th).astype(x.dtype) - le(x, -th).astype(x.dtype)
         return jnp.where(x == x, q, x)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, jnp.abs(x) <= self.clip_value)
+        if self.clip_value is None:
+            return x
+        return masked_identity(x, reference_within(x, self.clip_value))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteTernary]:
-        return [cls(), cls(threshold_value=0.5, clip_value=1.5)]
+        return [
+            cls(),
+            cls(threshold_value=0.5, clip_value=1.5),
+            cls(threshold_value=0.3, clip_value=None),
+        ]
 
 
 class SteHeaviside(_Elementwise):
@@ -330,11 +371,11 @@ class SteHeaviside(_Elementwise):
 
     $$q = [x > 0], \qquad \dot q = t \cdot [\lvert x \rvert \le c]$$
 
-    A NaN input gives NaN.
+    With `clip_value=None` the derivative is $t$ everywhere. A NaN input gives NaN.
 
     **Arguments:**
 
-    - `clip_value`: a non-negative number, $c$.
+    - `clip_value`: a non-negative number, $c$, or `None` for no clipping.
 
     !!! Example
 
@@ -343,7 +384,9 @@ class SteHeaviside(_Elementwise):
         ```
     """
 
-    clip_value: float = hyperparameter(1.0, non_negative, positional=True)
+    clip_value: float | None = hyperparameter(
+        1.0, non_negative, allow_none=True, positional=True
+    )
 
     summary: ClassVar[str] = "1 where x > 0, else 0; derivative `t·[|x| <= clip_value]`"
 
@@ -353,17 +396,23 @@ class SteHeaviside(_Elementwise):
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         return jnp.where(jnp.isnan(x), x, (x > 0).astype(x.dtype))
 
-    def slope(self, x: Array) -> Array:
-        return jnp.abs(x) <= self.clip_value
+    def slope(self, x: Array) -> Array | None:
+        return within(x, self.clip_value)
 
     def reference_forward(self, x: Array) -> Array:
         return jnp.floor((jnp.sign(x) + 1) / 2)
 
     def reference_derivative(self, x: Array) -> Array:
-        return masked_identity(x, jnp.abs(x) <= self.clip_value)
+        if self.clip_value is None:
+            return x
+        return masked_identity(x, reference_within(x, self.clip_value))
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[SteHeaviside]:
+        return [cls(), cls(clip_value=None)]
 
 
-class QuadraticSign(_Sign):
+class QuadraticSign(ElementwiseRule):
     r"""Sign with the derivative of a quadratic surrogate of width $c$ = `clip_value`
     (positive): [`ApproxSign`][] (Bi-Real Net) is $c = 1$.
 
@@ -378,27 +427,27 @@ class QuadraticSign(_Sign):
     """
 
     clip_value: float = hyperparameter(1.0, positive)
-
-    summary: ClassVar[str] = (
-        "sign(x); derivative `t·(2/c)·(1 − |x|/c)·[|x| <= c]`, c = clip_value"
-    )
+    summary: ClassVar[str] = "sign(x); derivative `t·(2/c)·(1 − |x|/c)·[|x| <= c]`"
+    constant_on_non_negative: ClassVar[bool] = True  # sign(0) = +1
 
     def kinks(self) -> tuple[float, ...]:
         return (-self.clip_value, 0.0, self.clip_value)
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        return sign(x)
+        return jnp.sign(x) + (x == 0)  # +1 at 0; NaN stays NaN
 
     def slope(self, x: Array) -> Array:
-        a = jnp.abs(x) / self.clip_value
-        return jnp.where(a <= 1, (2 - 2 * a) / self.clip_value, jnp.zeros_like(x))
+        c = self.clip_value  # compared in at least float32: with float32(c) exactly
+        a = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+        return jnp.where(a <= jnp.float32(c), (2 - 2 * a / c) / c, 0).astype(x.dtype)
 
     def reference_forward(self, x: Array) -> Array:
-        return reference_sign(x)
+        return jnp.where(x < 0, -1, jnp.where(x >= 0, 1, x)).astype(x.dtype)
 
     def reference_derivative(self, x: Array) -> Array:
-        u = jnp.where(jnp.abs(x) <= self.clip_value, x, jnp.zeros_like(x))
-        return (2 * u - u * jnp.abs(u) / self.clip_value) / self.clip_value
+        w, c = x.astype(jnp.promote_types(x.dtype, jnp.float32)), self.clip_value
+        u = jnp.where((w >= -jnp.float32(c)) & (w <= jnp.float32(c)), w, 0)
+        return ((2 * u - u * jnp.abs(u) / c) / c).astype(x.dtype)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[QuadraticSign]:

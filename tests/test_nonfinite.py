@@ -1,0 +1,222 @@
+"""Where a rule's derivative is 0, its gradient is exactly 0, whatever else is
+non-finite: an inf or NaN element anywhere in the input, in both modes, eager and
+jitted, in float32, bfloat16 and float16 (issue 18 §2); and, for rules whose
+derivative is a mask or a slope per element, an inf or NaN cotangent or tangent
+too (masks select, they never multiply).
+
+The zeros come from the rule's reference, per probe: the Jacobian of
+`reference_derivative` in forward mode (column `i` is the tangent of `e_i`, so a
+mask false at `i` gives exactly 0 there), or `reference_vjp` with a finite
+cotangent. A column (for the VJP) or row (for the JVP) counts as zero when its
+diagonal entry is exactly 0 and no other entry is finite and non-zero: the only
+other entries such a column holds are the reference's own `0 · NaN` (a stopped
+scale that is NaN, times a zero tangent), which is what the rules must not do.
+
+0.2.0 failed this for `magnitude_aware_sign` in reverse mode: its tangent
+`where(mask, t·scale, 0)` transposes into `where(mask, ct, 0)·scale`, and `0·NaN` is
+NaN wherever the mask is 0 once one element of the channel is NaN or inf. The
+planted defect below is that tangent, and the check must find it.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from conftest import CALL_KEY, ENTRIES, example_cases, examples
+
+import eqxrules
+
+F32, BF16, F16 = "float32", "bfloat16", "float16"
+FINITE, POS_INF, NAN = "finite", "+inf", "nan"
+
+
+def _example(entry, index):
+    return examples(entry)[index]
+
+
+def _own_maths(rule) -> bool:
+    """No arrays or callables inside: the derivative is the rule's own formula, not
+    the autodiff of a wrapped model or surrogate (whose `0 · inf` is its own)."""
+    return not jtu.tree_leaves(rule)
+
+
+def _probes(rule, dtype: str) -> list[np.ndarray]:
+    """The domain's kinks, a float either side of each, its ends and beyond, zero,
+    as one input; then that input with its first or its last element +inf, -inf or
+    NaN (which makes a scale such as a mean magnitude non-finite)."""
+    d = rule.input_domain()
+    f32 = np.float32
+    pool = [f32(v) for v in (*d.kinks, d.low, d.high, d.low - 1, d.high + 1, 0.0)]
+    pool += [np.nextafter(v, f32(s)) for v in pool[: len(d.kinks)] for s in (-1, 1)]
+    size = int(np.prod(d.shape))
+    base = np.resize(np.asarray(pool, f32), size)
+    out = []
+    for bad in (np.inf, -np.inf, np.nan):
+        for where in (0, size - 1):
+            x = base.copy()
+            x[where] = bad
+            out.append(x.reshape(d.shape).astype(jnp.dtype(dtype)))
+    return out
+
+
+def _flows(like) -> dict[str, object]:
+    """The cotangents (or tangents) sent in, shaped like the pytree `like`: a
+    finite one that is neither constant nor symmetric, and a non-finite one of
+    each kind."""
+
+    def finite(a):
+        n = int(np.prod(a.shape, dtype=np.int64))
+        return jnp.asarray(np.cos(np.arange(n) * 0.7 + 0.3).reshape(a.shape), a.dtype)
+
+    return {
+        FINITE: jtu.tree_map(finite, like),
+        POS_INF: jtu.tree_map(lambda a: jnp.full(a.shape, np.inf, a.dtype), like),
+        NAN: jtu.tree_map(lambda a: jnp.full(a.shape, np.nan, a.dtype), like),
+    }
+
+
+def _flat(tree) -> np.ndarray:
+    """Every leaf of `tree`, raveled and joined, as float32 on the host."""
+    leaves = [np.asarray(a, np.float32).reshape(-1) for a in jtu.tree_leaves(tree)]
+    return np.concatenate(leaves)
+
+
+def _zeros(jac: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """From the reference Jacobian `jac` (outputs × inputs): which columns and rows
+    are zero, and whether it is diagonal (no finite non-zero entry off it)."""
+    if jac.shape[0] != jac.shape[1]:
+        return np.all(jac == 0, axis=0), np.all(jac == 0, axis=1), False
+    off = ~np.eye(jac.shape[0], dtype=bool)
+    live = np.isfinite(jac) & (jac != 0) & off
+    zero_diag = np.diag(jac) == 0
+    return zero_diag & ~live.any(axis=0), zero_diag & ~live.any(axis=1), not live.any()
+
+
+def _reference_zeros(rule, x, kw, ct):
+    """Columns and rows that are zero, and whether the rule's derivative is one
+    per element; for a rule with `reference_vjp`, the zeros of the reference
+    cotangent for the finite `ct` (its backward is not a Jacobian)."""
+    if type(rule).reference_vjp is not eqxrules.Rule.reference_vjp:
+        return _flat(rule.reference_vjp(ct, x, **kw)[1]) == 0, None, False
+    jac = jax.jacfwd(lambda x: rule.reference_derivative(x, **kw))(x)
+    rows = [np.asarray(j, np.float32).reshape(-1, x.size) for j in jtu.tree_leaves(jac)]
+    return _zeros(np.concatenate(rows))
+
+
+def _flows_through(rule, forward_mode: bool):
+    """`x ↦ (cotangents for each flow, tangents for each flow)` of `rule`."""
+    kw = rule.call_kwargs(CALL_KEY)
+
+    def run(x):
+        out, pullback = jax.vjp(lambda x: rule(x, **kw), x)
+        cts = {k: pullback(c)[0] for k, c in _flows(out).items()}
+        if not forward_mode:
+            return cts, {}
+        ts = {
+            k: jax.jvp(lambda x: rule(x, **kw), (x,), (t,))[1]
+            for k, t in _flows(x).items()
+        }
+        return cts, ts
+
+    return run
+
+
+def non_zeros(rule, forward_mode: bool, dtype: str, *, jit: bool) -> list[str]:
+    """Where `rule`'s reference derivative is 0 but its gradient (or tangent) is
+    not exactly 0, described. Finite flows are checked for every rule; non-finite
+    ones where the derivative is one per element (a mask or a slope: those select,
+    never multiply) and the rule's own maths (not a wrapped model's)."""
+    kw = rule.call_kwargs(CALL_KEY)
+    run = _flows_through(rule, forward_mode)
+    run = jax.jit(run) if jit else run
+    found = []
+    for x in _probes(rule, dtype):
+        x = jnp.asarray(x)
+        cts, ts = run(x)
+        ct_finite = _flows(jax.eval_shape(lambda x: rule(x, **kw), x))[FINITE]
+        cols, rows, diagonal = _reference_zeros(rule, x, kw, ct_finite)
+        strict = diagonal and _own_maths(rule)
+        where = f"x={np.asarray(x, np.float32).reshape(-1)[[0, -1]]} ({dtype})"
+        for what, flows, zero in (("cotangent", cts, cols), ("tangent", ts, rows)):
+            for kind, g in flows.items():
+                if kind != FINITE and not strict:
+                    continue
+                g = _flat(g)[zero]
+                if np.any(g != 0):
+                    bad = int(np.sum(g != 0))
+                    found.append(f"{what} for a {kind} flow at {where}: {bad} not 0")
+    return found
+
+
+NONFINITE_CASES = [
+    pytest.param(
+        *c.values,
+        dtype,
+        jit,
+        id=f"{c.id}-{dtype}-{'jit' if jit else 'eager'}",
+        marks=[pytest.mark.slow] if dtype != F32 else [],
+    )
+    for c in example_cases()
+    for dtype in (F32, BF16, F16)
+    for jit in (False, True)
+]
+
+
+@pytest.mark.parametrize("entry,index,dtype,jit", NONFINITE_CASES)
+def test_zero_derivative_stays_zero_beside_non_finite_values(entry, index, dtype, jit):
+    rule = _example(entry, index)
+    assert non_zeros(rule, entry.forward_mode, dtype, jit=jit) == []
+
+
+class _MultipliedScale(eqxrules.MagnitudeAwareSign):
+    """The planted defect: 0.2.0's tangent, the scale multiplied in after the mask
+    selects the tangent, so that its transpose multiplies a zero by a NaN scale."""
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        (x,), (t,) = args, t_args
+        if t is None:
+            return None
+        scale = jnp.mean(jnp.abs(x), axis=tuple(range(x.ndim - 1)), keepdims=True)
+        mask = jnp.abs(x) <= self.clip_value
+        return jnp.where(mask, t * scale, jnp.zeros_like(t))
+
+
+class _MultipliedMask(eqxrules.SteSign):
+    """The planted defect: the clip mask multiplied in, not selected."""
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        (x,), (t,) = args, t_args
+        return t * (jnp.abs(x) <= self.clip_value).astype(t.dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_the_check_catches_0_2_0s_magnitude_aware_sign(dtype, jit):
+    found = non_zeros(_MultipliedScale(), True, dtype, jit=jit)
+    assert any(f.startswith("cotangent for a finite flow") for f in found), found
+    # ... in reverse mode only: forward mode selected correctly in 0.2.0.
+    assert not any(f.startswith("tangent") for f in found), found
+
+
+def test_the_check_catches_a_multiplied_mask():
+    found = non_zeros(_MultipliedMask(), True, F32, jit=False)
+    assert any(f.startswith("cotangent for a nan flow") for f in found), found
+    assert any(f.startswith("tangent for a +inf flow") for f in found), found
+
+
+@ft.cache
+def _entry_of(cls):
+    return next(e for e in ENTRIES if isinstance(_example(e, 0), cls))
+
+
+def test_every_entry_is_probed():
+    """The table above covers every example of every entry, in every dtype and
+    mode: nothing is left out by name."""
+    probed = {(p.values[0].name, p.values[1]) for p in NONFINITE_CASES}
+    assert probed == {(e.name, i) for e in ENTRIES for i in range(len(examples(e)))}
+    assert _entry_of(eqxrules.MagnitudeAwareSign).forward_mode
