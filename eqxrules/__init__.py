@@ -22,6 +22,11 @@ from ._layers import (
     quantize as quantize,
 )
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
+from ._verify import (
+    RuleVerification as RuleVerification,
+    RuleVerificationError as RuleVerificationError,
+    verify_rule as verify_rule,
+)
 
 __version__ = "0.2.0"
 
@@ -34,6 +39,8 @@ __all__ = [
     "PytreeRule",
     "Quantized",
     "Rule",
+    "RuleVerification",
+    "RuleVerificationError",
     "VJPRule",
     "calibrate",
     "catalogue",
@@ -44,6 +51,7 @@ __all__ = [
     "partial_jvp",
     "quantize",
     "testing",
+    "verify_rule",
 ]
 # Every rule class and its functional form, from the catalogue (for type checkers,
 # from the stub eqxrules/_rules/__init__.pyi generated from it).

@@ -149,7 +149,7 @@ def functional(rule: type, *, register: bool = False) -> Callable[[_F], _F]:
     - `register`: for a rule defined outside eqxrules, whether it joins
         [`catalogue`][] (and so `python -m eqxrules`). By default it does not: the
         catalogue is the library's. Verify your own rule with
-        [`eqxrules.testing.verify_rule`][] instead.
+        [`eqxrules.verify_rule`][] instead.
 
     !!! Example
 

@@ -1,8 +1,11 @@
 """What verifying a catalogue entry means, shared by `python -m eqxrules`, the test
-suite and [`eqxrules.testing.verify_rule`][]: every example instance is checked
+suite and [`eqxrules.verify_rule`][]: every example instance is checked
 with `check_rule` at a point that includes its kinks (where straight-through
 estimators go wrong; `rule.kinks()`, from its hyperparameters), and, for instances
-whose derivative is the true one, against finite differences off the kinks."""
+whose derivative is the true one, against finite differences off the kinks.
+
+It reads the catalogue and runs the checker, so it lives beside the catalogue and
+imports `eqxrules.testing`; the checker imports nothing back."""
 
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
 
 @dataclasses.dataclass
 class RuleVerification:
-    """What [`verify_rule`][eqxrules.testing.verify_rule] found.
+    """What [`verify_rule`][eqxrules.verify_rule] found.
 
     - `rule`: the rule class.
     - `reports`: `(what was checked, RuleReport)` for each
@@ -129,8 +132,8 @@ class RuleVerification:
 
 
 class RuleVerificationError(AssertionError):
-    """Raised by [`verify_rule`][eqxrules.testing.verify_rule] when a rule fails;
-    `verification` holds the [`RuleVerification`][eqxrules.testing.RuleVerification]."""
+    """Raised by [`verify_rule`][eqxrules.verify_rule] when a rule fails;
+    `verification` holds the [`RuleVerification`][eqxrules.RuleVerification]."""
 
     def __init__(self, verification: RuleVerification) -> None:
         super().__init__(str(verification))
@@ -198,17 +201,17 @@ def verify_rule(
 
     - `rule`: the rule class (not an instance).
     - `key`: a PRNG key for the examples and inputs (default `jax.random.key(0)`).
-    - `raise_on_failure`: raise [`RuleVerificationError`][eqxrules.testing.RuleVerificationError]
+    - `raise_on_failure`: raise [`RuleVerificationError`][eqxrules.RuleVerificationError]
         (an `AssertionError`) listing every problem, if there is one.
 
     **Returns:**
 
-    A [`RuleVerification`][eqxrules.testing.RuleVerification].
+    A [`RuleVerification`][eqxrules.RuleVerification].
 
     !!! Example
 
         ```python
-        from eqxrules.testing import verify_rule
+        from eqxrules import verify_rule
 
         print(verify_rule(MyRule))  # `MyRule`: passed (4 check_rule runs, 2.1 s)
         ```

@@ -4,7 +4,7 @@
 Each [`Check`][eqxrules.checks.Check] knows the error it raises (`TypeError` for a
 wrong type, `ValueError` for a wrong value), the words of its message
 (`` `rule`: `arg` (=value) must be ... ``) and its own canonical bad values, from
-which [`eqxrules.testing.verify_rule`][] and the catalogue's misuse tests build the
+which [`eqxrules.verify_rule`][] and the catalogue's misuse tests build the
 invalid constructions a rule must reject. A check of your own is a `Check(...)`.
 
 | check | the value must |

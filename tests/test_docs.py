@@ -71,11 +71,13 @@ def _without(pages: dict[str, str], path: str) -> dict[str, str]:
 
 def test_coverage_check_catches_a_missing_name():
     # Planted defects: the reference with one name removed, for a catalogue rule
-    # (generated gallery), a core name, and an `eqxrules.testing` name.
+    # (generated gallery), core names (`verify_rule` moved there from
+    # `eqxrules.testing`), and an `eqxrules.testing` name.
     pages = site_pages()
     for path in (
         "eqxrules.ste_sign",
         "eqxrules.quantize",
+        "eqxrules.verify_rule",
         "eqxrules.testing.check_rule",
     ):
         assert path in documented(pages)

@@ -362,7 +362,7 @@ def test_message_names_check_leaf_errors_and_tolerance():
         check_rule(_make_vjp_rule(2.0), X, forward=jnp.tanh, derivative=jnp.tanh)
     msg = str(e.value)
     assert "check `vjp` failed" in msg
-    assert "at `args[0]`" in msg
+    assert "at `x`" in msg  # `f`'s argument, as its signature names it
     assert "max abs error" in msg and "max rel error" in msg
     assert "rtol=1e-05" in msg and "atol=1e-06" in msg
     assert isinstance(e.value, AssertionError)
@@ -470,7 +470,7 @@ def test_crash_on_held_fixed_input_is_caught_by_held_fixed_only(linear):
         check_rule(lambda m, x: m(x), model, x, forward=_plain, derivative=_plain)
     assert _failed(e) == ["held_fixed"]
     detail = e.value.report["held_fixed"].detail
-    assert "with only `args[0].sub_model` perturbed" in detail
+    assert "with only `m.sub_model` perturbed" in detail
     assert "TypeError" in detail
     assert isinstance(e.value.__cause__, TypeError)
 
@@ -511,7 +511,7 @@ def test_dropped_parameter_tangent_is_caught_by_held_fixed_only(linear):
         check_rule(lambda m, x: m(x), model, x, forward=_plain, derivative=_plain)
     assert _failed(e) == ["held_fixed"]
     result = e.value.report["held_fixed"]
-    assert "with only `args[0].sub_model` perturbed" in result.detail
+    assert "with only `m.sub_model` perturbed" in result.detail
     assert result.actual == 0.0 and result.expected != 0.0
     # Without any reference, against the rule's own derivative with zero tangents.
     with pytest.raises(RuleCheckError) as e:
@@ -661,7 +661,7 @@ def test_failure_names_worst_element_and_both_values():
     with pytest.raises(RuleCheckError) as e:
         check_rule(_make_ste(False), X, derivative=_surrogate, checks=("vjp",))
     result = e.value.report["vjp"]
-    assert result.path == "args[0]"
+    assert result.path == "x"
     assert result.index in {(1,), (5,)}  # |x| = 1, where the mask is exclusive
     assert result.actual == 0.0 and result.expected != 0.0
     assert result.max_abs_error == abs(result.expected)

@@ -1,4 +1,4 @@
-"""`eqxrules.testing.verify_rule`: the catalogue's battery on a user's rule class,
+"""`eqxrules.verify_rule`: the catalogue's battery on a user's rule class,
 without registering it. Each part of the battery is shown to fail on a planted
 defect."""
 
@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import eqxrules
-from eqxrules import hyperparameter
+from eqxrules import RuleVerificationError, hyperparameter, verify_rule
 from eqxrules.checks import positive
-from eqxrules.testing import RuleVerificationError, verify_rule
 
 
 class Scale(eqxrules.JVPRule):
@@ -145,3 +144,17 @@ def test_bad_arguments():
         verify_rule(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"`raise_on_failure` must be a bool.*'no'"):
         verify_rule(Scale, raise_on_failure="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name", ["verify_rule", "RuleVerification", "RuleVerificationError"]
+)
+def test_moved_from_eqxrules_testing_says_where(name):
+    # `eqxrules.testing` may not import the catalogue (tests/test_imports.py), so
+    # these live in `eqxrules`; the old spelling names the new one.
+    import eqxrules.testing
+
+    assert name in eqxrules.__all__ and name not in eqxrules.testing.__all__
+    with pytest.raises(AttributeError, match=rf"moved to `eqxrules\.{name}`"):
+        getattr(eqxrules.testing, name)
+    assert not hasattr(eqxrules.testing, name)

@@ -1,9 +1,9 @@
 """`eqxrules.testing`: prove any custom derivative rule against references.
 
 [`check_rule`][eqxrules.testing.check_rule] knows nothing of the catalogue: it
-checks any callable. The catalogue's own tests and `python -m eqxrules` are built on
-it, and [`verify_rule`][eqxrules.testing.verify_rule] runs the catalogue's battery
-on any rule class.
+checks any callable, and this package imports nothing else of eqxrules. The
+catalogue's own tests and `python -m eqxrules` are built on it, and
+[`eqxrules.verify_rule`][] runs the catalogue's battery on any rule class.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -17,16 +17,12 @@ from ._report import (
     RuleReport as RuleReport,
 )
 
-# isort: split
-# The catalogue's battery for one rule class: it imports the checker above.
-from .._verify import (
-    RuleVerification as RuleVerification,
-    RuleVerificationError as RuleVerificationError,
-    verify_rule as verify_rule,
-)
-
 if TYPE_CHECKING:
     from . import strategies as strategies
+
+# Names that lived here in 0.2.0. They read the catalogue, which this package must
+# not import (the imports would run both ways), so they live in `eqxrules` now.
+_MOVED = ("RuleVerification", "RuleVerificationError", "verify_rule")
 
 
 def __getattr__(name: str) -> Any:
@@ -36,6 +32,12 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module(f"{__name__}.strategies")
+    if name in _MOVED:
+        raise AttributeError(
+            f"`{__name__}.{name}` moved to `eqxrules.{name}` (it reads the catalogue, "
+            f"which `{__name__}` does not import): use `eqxrules.{name}`, or "
+            f"`from eqxrules import {name}`."
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -46,9 +48,6 @@ __all__ = [
     "CheckResult",
     "RuleCheckError",
     "RuleReport",
-    "RuleVerification",
-    "RuleVerificationError",
     "check_rule",
     "strategies",
-    "verify_rule",
 ]

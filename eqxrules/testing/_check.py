@@ -132,11 +132,12 @@ def _run_one(
             f"the rule raised {type(setup_error).__name__}: {setup_error}",
             exception=setup_error,
         )
-    if check.needs and check.needs not in modes:
-        which = "forward" if check.needs == "fwd" else "reverse"
+    if check.needs and not set(check.needs) & set(modes):
+        which = "forward" if check.needs == ("fwd",) else "reverse"
         return CheckResult(name, "skipped", f"{which} mode not asked for")
     reason = None if check.skip is None else check.skip(problem, options)
-    if check.needs == "fwd":
+    forward_only = check.forward_only(modes)
+    if forward_only:
         # Skipped for want of a reference, a check need not find out whether the
         # rule has forward mode (a trace); `_run` relabels it "unsupported" if
         # another check finds it has none.
@@ -151,22 +152,28 @@ def _run_one(
     except _Failure as f:
         return CheckResult(name, "failed", f.detail, **f.figures)
     except _Raised as r:
-        e = r.exception
-        return CheckResult(
-            name,
-            "failed",
-            f"the rule raised {type(e).__name__} ({r.context}): {e}",
-            exception=e,
-        )
+        return _raised(name, problem, r.exception, r.context)
     except Exception as e:
-        if check.needs == "fwd" and _is_reverse_only_error(e):
+        if forward_only and _is_reverse_only_error(e):
             return CheckResult(name, "unsupported", _NO_FORWARD)
-        return CheckResult(
-            name, "failed", f"the rule raised {type(e).__name__}: {e}", exception=e
-        )
+        return _raised(name, problem, e)
     if isinstance(figures, str):
         return CheckResult(name, "skipped", figures)
     return CheckResult(name, "passed", **figures)
+
+
+def _raised(
+    name: str, problem: _Problem, e: Exception, context: str | None = None
+) -> CheckResult:
+    """The failure of a check in which the rule raised `e` (in `context`): named by
+    its cause where that is known."""
+    cause = problem.untransposable(e)
+    if cause is None:
+        where = "" if context is None else f" ({context})"
+        detail = f"the rule raised {type(e).__name__}{where}: {e}"
+    else:
+        detail = cause if context is None else f"{context}: {cause}"
+    return CheckResult(name, "failed", detail, exception=e)
 
 
 _NO_FORWARD = "the rule has no forward mode"
@@ -224,7 +231,7 @@ def _run(
     forward_mode = problem is not None and problem.forward_mode() is True
     if problem is not None and problem.forward_mode() is False:
         for r in results:
-            if TABLE[r.name].needs == "fwd" and r.status == "skipped":
+            if TABLE[r.name].forward_only(options.modes) and r.status == "skipped":
                 if r.detail not in ("not selected", "forward mode not asked for"):
                     r.status, r.detail = "unsupported", _NO_FORWARD
     return RuleReport(results, forward_mode=forward_mode)
@@ -271,7 +278,9 @@ def check_rule(
     | `second_order` | with `order=2`: the JVP of the VJP and the VJP of the VJP equal the reference's |
 
     A rule without forward mode (a `custom_vjp`) is detected: its forward-mode checks
-    are reported `"unsupported"`, and finite differences use the VJP instead.
+    are reported `"unsupported"`, and finite differences use the VJP instead (by the
+    dot-product identity). With `modes=("fwd",)` finite differences compare the JVP
+    along each direction with the central difference, the directional derivative.
 
     **Arguments:**
 
@@ -309,9 +318,13 @@ def check_rule(
     **Raises:**
 
     [`RuleCheckError`][] (an `AssertionError`) if any check fails. Its message names
-    the check, the leaf, the worst element (its index, and the rule's and the
-    reference's values there), the largest absolute and relative error and the
-    tolerance; an exception raised by the rule inside a check is chained to it.
+    the check, the leaf, the worst element (its index, the input there, and the
+    rule's and the reference's values there), the largest absolute and relative
+    error and the tolerance; an exception raised by the rule inside a check is
+    chained to it. Arguments are named as `fn`'s signature names them
+    (`lambda m, x: m(x)`: `x`, `m.sub_model.weight`), else by position (`args[1]`).
+    A JVP that is not linear in its tangent, which JAX cannot transpose, fails the
+    reverse-mode checks with that cause named, not JAX's bare error.
     `ValueError` or `TypeError` for arguments of the wrong value or type.
     """
     for name, ref in (("forward", forward), ("derivative", derivative)):

@@ -18,7 +18,6 @@ import numpy as np
 
 from . import _programs
 from ._compare import (
-    _compare,
     _dtype_name,
     _Failure,
     _host_combination,
@@ -28,6 +27,7 @@ from ._compare import (
     _linear_expected,
     _lowest_precision,
     _max_abs,
+    _scalar,
     _tolerance,
     _vdot,
 )
@@ -96,7 +96,7 @@ def _check_linearity(p: _Problem, o: _Options) -> dict[str, Any] | str:
 
 
 def _check_vjp(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    return p.compare(p.rule_vjp, p.reference_vjp_value, "args", check_dtype=False)
+    return p.compare_args(p.rule_vjp, p.reference_vjp_value, check_dtype=False)
 
 
 def _check_transpose(p: _Problem, o: _Options) -> dict[str, Any] | str:
@@ -163,7 +163,9 @@ def _check_held_fixed(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 # with every argument perturbed) for this group alone.
                 full = p.reference_vjp_value if p.has_reference else p.rule_vjp
                 expected = group.get(full)
-                worst = p.compare(actual, expected, group.label, check_dtype=False)
+                worst = p.compare_args(
+                    actual, expected, at=group.path, check_dtype=False
+                )
     return worst
 
 
@@ -182,9 +184,12 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
         # argument), and the points built on the device, not sent from the host.
         f = _programs.jit(f_at)
         jvp, vjp = _programs.jit(p.jvp), _programs.jit(p.vjp)
-        # Whether to go through the JVP: found out from this check's own program if
-        # no check has yet, so as not to trace another.
-        forward_mode = "fwd" in o.modes and p.forward_mode(jvp, d, d) is True
+        # Through the JVP if only forward mode is asked for, or if the rule has it
+        # (found out from this check's own program if no check has yet, so as not
+        # to trace another); else through the VJP.
+        through_jvp = "fwd" in o.modes and (
+            "rev" not in o.modes or p.forward_mode(jvp, d, d) is True
+        )
         rng = p.rng("fd")
         ct = ct_vjp = None
         for _ in range(o.num_directions):
@@ -207,11 +212,21 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 plus,
                 minus,
             )
-            if forward_mode:
-                jv = jtu.tree_map(_float_or_none, jvp(d, v))
-                worst = _compare(
-                    jv, fd, prefix="jvp(out)", rtol=rtol, atol=atol, check_dtype=False
-                )
+            if through_jvp:
+                with _where(
+                    "the JVP along a random unit v against central differences"
+                ):
+                    jv = jtu.tree_map(_float_or_none, jvp(d, v))
+                    worst = p.compare(
+                        jv,
+                        fd,
+                        "jvp(out)",
+                        point=d,
+                        rtol=rtol,
+                        atol=atol,
+                        floor=None,
+                        check_dtype=False,
+                    )
                 continue
             if ct is None:
                 ct = _device(
@@ -271,7 +286,7 @@ def _check_batching(p: _Problem, o: _Options) -> dict[str, Any] | str:
         jax.vmap(lambda d, ct: p.vjp(d, _restore_float0(ct, p.ct)))
     )(D, CT)
     looped = _stack([p.vjp_jit(d, _restore_float0(c, p.ct)) for d, c in zip(ds, cts)])
-    worst = p.compare(batched_vjp, looped, "vmap(vjp)(args)")
+    worst = p.compare_args(batched_vjp, looped, "vmap(vjp)({})", point=D)
     if "fwd" in o.modes and p.forward_mode():
         looped = _stack([p.jvp_jit(d, t) for d, t in zip(ds, ts)])
         batched_jvp = _programs.jit(jax.vmap(p.jvp))(D, T)
@@ -279,6 +294,7 @@ def _check_batching(p: _Problem, o: _Options) -> dict[str, Any] | str:
             jtu.tree_map(_float_or_none, batched_jvp),
             jtu.tree_map(_float_or_none, looped),
             "vmap(jvp)(out)",
+            point=D,
         )
     return worst
 
@@ -301,7 +317,7 @@ def _restore_float0(tree: Any, like: Any) -> Any:
 
 def _check_jit(p: _Problem, o: _Options) -> dict[str, Any] | str:
     worst = p.compare(_programs.jit(p.f)(p.diff), p.out, "jit(out)")
-    p.compare(p.rule_vjp, p.vjp(p.diff, p.ct), "jit(vjp)(args)")
+    p.compare_args(p.rule_vjp, p.vjp(p.diff, p.ct), "jit(vjp)({})")
     return worst
 
 
@@ -310,7 +326,8 @@ def _check_zero_cotangent(p: _Problem, o: _Options) -> dict[str, Any] | str:
         jtu.tree_map(lambda c: np.zeros_like(c) if eqx.is_inexact_array(c) else c, p.ct)
     )
     grads = p.vjp_jit(p.diff, zeros)
-    for path, g in jtu.tree_flatten_with_path(grads)[0]:
+    points = jtu.tree_leaves(p.diff)
+    for (path, g), x in zip(jtu.tree_flatten_with_path(grads)[0], points):
         g = np.asarray(g)
         if g.dtype == jax.dtypes.float0:
             continue
@@ -318,14 +335,16 @@ def _check_zero_cotangent(p: _Problem, o: _Options) -> dict[str, Any] | str:
         if np.any(nonzero):
             flat = int(np.argmax(nonzero.reshape(-1)))
             value = g.reshape(-1)[flat].item()
+            index = tuple(int(i) for i in np.unravel_index(flat, g.shape))
             raise _Failure(
                 "a zero cotangent gave a non-zero gradient "
                 f"({'NaN' if np.any(np.isnan(g)) else 'non-zero values'})",
-                path="args" + jtu.keystr(path),
+                path=p.arg_name(path),
                 max_abs_error=_max_abs(g),
-                index=tuple(int(i) for i in np.unravel_index(flat, g.shape)),
+                index=index,
                 actual=value if isinstance(value, complex) else float(value),
                 expected=0.0,
+                inputs={p.arg_name(path): _scalar(np.asarray(x)[index])},
             )
     return {}
 
@@ -333,7 +352,7 @@ def _check_zero_cotangent(p: _Problem, o: _Options) -> dict[str, Any] | str:
 def _check_dtype(p: _Problem, o: _Options) -> dict[str, Any] | str:
     grads = p.rule_vjp
     pairs: Iterable[tuple[str, Any, Any]] = [
-        ("args" + jtu.keystr(path), g, x)
+        (p.arg_name(path), g, x)
         for (path, x), g in zip(
             jtu.tree_flatten_with_path(p.diff)[0], jtu.tree_leaves(grads)
         )
@@ -385,12 +404,12 @@ def _check_second_order(p: _Problem, o: _Options) -> dict[str, Any] | str:
         expected = jvp_of_vjp(reference)(p.diff, p.ct, p.t)
         with _where("JVP of VJP"):
             actual = jvp_of_vjp(p.vjp)(p.diff, p.ct, p.t)
-            worst = p.compare(actual, expected, "jvp(vjp)(args)", check_dtype=False)
+            worst = p.compare_args(actual, expected, "jvp(vjp)({})", check_dtype=False)
     u = _random_like(p.rng("ct2"), p.diff)
     expected = vjp_of_vjp(reference)(p.diff, p.ct, u)
     with _where("VJP of VJP"):
         actual = vjp_of_vjp(p.vjp)(p.diff, p.ct, u)
-        figures = p.compare(actual, expected, "vjp(vjp)(args)", check_dtype=False)
+        figures = p.compare_args(actual, expected, "vjp(vjp)({})", check_dtype=False)
     return worst or figures
 
 
@@ -435,29 +454,38 @@ def _first_order(p: _Problem, o: _Options) -> str | None:
     )
 
 
+_FWD, _REV, _EITHER = ("fwd",), ("rev",), ("fwd", "rev")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Check:
-    """`run`: the check. `needs`: the mode without which it does not apply (`""`:
-    either). `skip`: why it does not apply to this problem, if it does not."""
+    """`run`: the check. `needs`: the modes it can run in (`()`: no derivative),
+    so it does not apply if none of them is asked for. `skip`: why it does not
+    apply to this problem, if it does not."""
 
     run: Callable[[_Problem, _Options], dict[str, Any] | str]
-    needs: str = ""
+    needs: tuple[str, ...] = ()
     skip: Callable[[_Problem, _Options], str | None] | None = None
+
+    def forward_only(self, modes: Sequence[str]) -> bool:
+        """Whether, with `modes` asked for, it runs in forward mode alone (so is
+        "unsupported" for a rule without forward mode)."""
+        return [m for m in self.needs if m in modes] == ["fwd"]
 
 
 TABLE: dict[str, _Check] = {
-    "primal": _Check(_check_primal, "", _no_forward),
-    "jvp": _Check(_check_jvp, "fwd", _no_derivative),
-    "linearity": _Check(_check_linearity, "fwd"),
-    "vjp": _Check(_check_vjp, "rev", _no_reference),
-    "transpose": _Check(_check_transpose, "fwd", _one_mode),
-    "held_fixed": _Check(_check_held_fixed, "", _one_group),
+    "primal": _Check(_check_primal, (), _no_forward),
+    "jvp": _Check(_check_jvp, _FWD, _no_derivative),
+    "linearity": _Check(_check_linearity, _FWD),
+    "vjp": _Check(_check_vjp, _REV, _no_reference),
+    "transpose": _Check(_check_transpose, _FWD, _one_mode),
+    "held_fixed": _Check(_check_held_fixed, _EITHER, _one_group),
     "finite_differences": _Check(
-        _check_finite_differences, "rev", _not_true_derivative
+        _check_finite_differences, _EITHER, _not_true_derivative
     ),
-    "batching": _Check(_check_batching, "rev"),
-    "jit": _Check(_check_jit, "rev"),
-    "zero_cotangent": _Check(_check_zero_cotangent, "rev"),
-    "dtype": _Check(_check_dtype, "rev"),
-    "second_order": _Check(_check_second_order, "rev", _first_order),
+    "batching": _Check(_check_batching, _REV),
+    "jit": _Check(_check_jit, _REV),
+    "zero_cotangent": _Check(_check_zero_cotangent, _REV),
+    "dtype": _Check(_check_dtype, _REV),
+    "second_order": _Check(_check_second_order, _REV, _first_order),
 }

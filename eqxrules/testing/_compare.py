@@ -8,6 +8,7 @@ raised by the checker's own arithmetic must never be mistaken for (or, under
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -25,6 +26,14 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
 """`(rtol, atol)` per dtype. An element passes when `|actual - expected| <= atol +
 rtol * |expected|`. About four units in the last place for the low-precision types,
 where the rule and its reference may round in a different order."""
+
+
+KeyPath = tuple[Any, ...]
+"""A leaf's path in a pytree, as `jax.tree_util.tree_flatten_with_path` gives it."""
+
+Inputs = Callable[[KeyPath, tuple[int, ...], tuple[int, ...]], dict[str, Any]]
+"""`inputs(path, shape, index)`: the input elements, by argument name, behind the
+element at `index` of the compared leaf at `path` (of shape `shape`)."""
 
 
 class _Failure(Exception):
@@ -82,26 +91,46 @@ def _element(actual: np.ndarray, expected: np.ndarray, flat: int) -> dict[str, A
     )
 
 
+def _failure(
+    detail: str,
+    inputs: Inputs | None,
+    keypath: KeyPath,
+    shape: tuple[int, ...],
+    **figures: Any,
+) -> _Failure:
+    """A failure at one element of the leaf at `keypath`, with the input elements
+    behind it if `inputs` can say."""
+    if inputs is not None and figures.get("index") is not None:
+        figures["inputs"] = inputs(keypath, shape, figures["index"])
+    return _Failure(detail, **figures)
+
+
 @np.errstate(all="ignore")
 def _compare(
     actual: Any,
     expected: Any,
     *,
-    prefix: str,
+    prefix: str | Callable[[KeyPath], str],
     rtol: float | None,
     atol: float | None,
     scale: Any = None,
     check_dtype: bool = True,
     floor: str | None = None,
+    inputs: Inputs | None = None,
 ) -> dict[str, Any]:
     """Fail (raise `_Failure`) unless every leaf agrees. Returns the figures: the
-    leaf with the largest absolute error, and its worst element."""
+    leaf with the largest absolute error, and its worst element.
+
+    `prefix` names a leaf by its path: a string is followed by the path
+    (`"jvp(out)['a']"`), a function gives the whole name. A failure at an element
+    carries `inputs` there, if given."""
+    name = prefix if callable(prefix) else (lambda path: prefix + jtu.keystr(path))
     a_leaves, a_def = jtu.tree_flatten_with_path(actual, is_leaf=_is_none)
     e_leaves, e_def = jtu.tree_flatten_with_path(expected, is_leaf=_is_none)
     if a_def != e_def:
         raise _Failure(
             f"the pytree structure differs from the reference's: {a_def} vs {e_def}",
-            path=prefix,
+            path=name(()),
         )
     s_leaves = (
         [None] * len(a_leaves)
@@ -112,7 +141,7 @@ def _compare(
         path="", max_abs_error=0.0, max_rel_error=0.0, rtol=0.0, atol=0.0
     )
     for (path, a), (_, e), s in zip(a_leaves, e_leaves, s_leaves):
-        where = prefix + jtu.keystr(path)
+        where = name(path)
         if a is None or e is None:
             if a is not e:
                 raise _Failure("one side is None, the other is not", path=where)
@@ -146,7 +175,10 @@ def _compare(
                 else "finite where the reference is NaN"
             )
             flat = int(np.argmax((a_nan != e_nan).reshape(-1)))
-            raise _Failure(which, path=where, rtol=r, atol=t, **_element(an, en, flat))
+            element = _element(an, en, flat)
+            raise _failure(
+                which, inputs, path, an.shape, path=where, rtol=r, atol=t, **element
+            )
         same_inf = np.isinf(an) & (an == en)
         err = np.where(a_nan | same_inf, 0.0, np.abs(an - en))
         err = np.where(np.isnan(err), np.inf, err)
@@ -165,8 +197,12 @@ def _compare(
         if abs_max >= worst["max_abs_error"]:
             worst = figures
         if np.any(bad):
-            raise _Failure(
-                "values differ from the reference beyond tolerance", **figures
+            raise _failure(
+                "values differ from the reference beyond tolerance",
+                inputs,
+                path,
+                an.shape,
+                **figures,
             )
     return worst
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,15 @@ import numpy as np
 from jaxtyping import PRNGKeyArray
 
 from . import _programs
-from ._compare import _compare, _is_inexact, _is_none, _lowest_precision
+from ._compare import (
+    Inputs,
+    KeyPath,
+    _compare,
+    _is_inexact,
+    _is_none,
+    _lowest_precision,
+    _scalar,
+)
 
 
 def _entropy(key: PRNGKeyArray | None) -> list[int]:
@@ -90,15 +99,49 @@ def _is_reverse_only_error(e: BaseException) -> bool:
     )
 
 
+def _arg_names(fn: Callable[..., Any], n: int) -> tuple[str, ...]:
+    """The names `fn`'s signature gives its first `n` positional arguments, as the
+    user wrote them (`lambda m, x: m(x)`: `m`, `x`); `args[i]` where it gives none
+    (past a `*args`, or no signature)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+    return tuple(
+        params[i].name
+        if i < len(params) and params[i].kind in positional
+        else f"args[{i}]"
+        for i in range(n)
+    )
+
+
+def _untransposable(e: BaseException) -> bool:
+    """Whether `e` is what JAX raises when reverse mode transposes a JVP that is
+    not linear in its tangent: a bare `AssertionError` (a product of tangents, a
+    branch on one), or no transpose rule for the primitive applied to one."""
+    if type(e) is AssertionError:
+        return True
+    return isinstance(e, NotImplementedError) and "Transpose rule" in str(e)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Group:
     """One differentiable argument, or one field of a Module argument: what the
     `held_fixed` check perturbs alone. `get` takes its part of the differentiable
-    leaves; `put` puts a replacement back."""
+    leaves; `put` puts a replacement back; `path` is where it is among them."""
 
     label: str
     index: int
     field: str | None
+
+    @property
+    def path(self) -> KeyPath:
+        index = (jtu.SequenceKey(self.index),)
+        return index if self.field is None else (*index, jtu.GetAttrKey(self.field))
 
     def get(self, diff: tuple[Any, ...]) -> Any:
         arg = diff[self.index]
@@ -116,9 +159,9 @@ class _Group:
         return diff[: self.index] + (arg,) + diff[self.index + 1 :]
 
 
-def _groups(diff: tuple[Any, ...]) -> list[_Group]:
+def _groups(diff: tuple[Any, ...], names: tuple[str, ...]) -> list[_Group]:
     """Each top-level argument holding inexact arrays is a group; a Module argument
-    is split into its fields that hold inexact arrays."""
+    is split into its fields that hold inexact arrays. `names`: the arguments'."""
     groups = []
     for i, arg in enumerate(diff):
         leaves = jtu.tree_flatten_with_path(arg)[0]
@@ -128,10 +171,10 @@ def _groups(diff: tuple[Any, ...]) -> list[_Group]:
         if isinstance(arg, eqx.Module) and all(
             isinstance(k, jtu.GetAttrKey) for k in keys
         ):
-            names = dict.fromkeys(k.name for k in keys)  # type: ignore[union-attr]
-            groups += [_Group(f"args[{i}].{n}", i, n) for n in names]
+            fields = dict.fromkeys(k.name for k in keys)  # type: ignore[union-attr]
+            groups += [_Group(f"{names[i]}.{n}", i, n) for n in fields]
         else:
-            groups.append(_Group(f"args[{i}]", i, None))
+            groups.append(_Group(names[i], i, None))
     return groups
 
 
@@ -157,6 +200,7 @@ class _Problem:
                 "complex) array, or a Module holding one."
             )
         self.fn = fn
+        self.names = _arg_names(fn, len(args))
         self.forward = forward
         self.derivative = derivative
         self.reference_vjp = reference_vjp
@@ -268,7 +312,25 @@ class _Problem:
 
     @property
     def groups(self) -> list[_Group]:
-        return _groups(self.diff)
+        return _groups(self.diff, self.names)
+
+    def arg_name(self, path: KeyPath) -> str:
+        """The argument leaf at `path` among the arguments, named as the user wrote
+        it: `x`, `m.sub_model.weight` (`args` for them all)."""
+        if not path:
+            return "args"
+        return self.names[path[0].idx] + jtu.keystr(tuple(path[1:]))
+
+    def untransposable(self, e: BaseException) -> str | None:
+        """Why reverse mode raised `e`, if it is JAX failing to transpose a JVP
+        that is not linear in its tangent (its forward mode evaluates)."""
+        if not _untransposable(e) or self._rule_jvp[1] is not None:
+            return None
+        return (
+            "the rule's JVP is not linear in its tangent, so JAX cannot transpose "
+            "it into a VJP; the `linearity` check shows it in forward mode (JAX "
+            f"raised {type(e).__name__}: {e})"
+        )
 
     # Each compiled program is built once per problem and shared by the checks.
     @ft.cached_property
@@ -321,15 +383,68 @@ class _Problem:
     def reference_vjp_value(self) -> Any:
         return self.reference_vjp_jit(self.diff, self.ct)
 
-    def compare(self, actual, expected, prefix, **kw) -> dict[str, Any]:
+    def compare(
+        self, actual: Any, expected: Any, prefix: str, *, point: Any = None, **kw: Any
+    ) -> dict[str, Any]:
+        """Compare trees shaped like the output, named `prefix` (`"jvp(out)"`). A
+        failure at an element gives the element there of each input of the leaf's
+        shape: the input element of an elementwise rule. A Module argument's arrays
+        are its parameters, which an output element does not follow index by index,
+        so they are left out."""
+
+        def same_shape(path: KeyPath, shape: Any, p: KeyPath, x: Any) -> bool:
+            module = isinstance(self.args[p[0].idx], eqx.Module)
+            return np.shape(x) == shape and not module
+
+        inputs = self._inputs(point, same_shape)
+        return self._compare(actual, expected, prefix, inputs, **kw)
+
+    def compare_args(
+        self,
+        actual: Any,
+        expected: Any,
+        template: str = "{}",
+        *,
+        at: KeyPath = (),
+        point: Any = None,
+        **kw: Any,
+    ) -> dict[str, Any]:
+        """Compare trees shaped like the arguments (or their part at path `at`),
+        each leaf named by its argument in `template` (`"vmap(vjp)({})"`). A
+        failure at an element gives the argument's element there."""
+
+        def name(path: KeyPath) -> str:
+            return template.format(self.arg_name((*at, *path)))
+
+        def same_leaf(path: KeyPath, shape: Any, p: KeyPath, x: Any) -> bool:
+            return p == (*at, *path)
+
+        inputs = self._inputs(point, same_leaf)
+        return self._compare(actual, expected, name, inputs, **kw)
+
+    def _inputs(self, point: Any, keep: Callable[..., bool]) -> Inputs:
+        """The input elements at a failing index: of the argument leaves (at
+        `point`, the point checked by default) that `keep(path, shape, p, x)`
+        keeps for the failing leaf at `path` of shape `shape`."""
+        leaves = jtu.tree_flatten_with_path(self.diff if point is None else point)[0]
+
+        def inputs(path: KeyPath, shape: tuple[int, ...], index: tuple[int, ...]):
+            return {
+                self.arg_name(p): _scalar(np.asarray(x)[index])
+                for p, x in leaves
+                if keep(path, shape, p, x)
+            }
+
+        return inputs
+
+    def _compare(self, actual, expected, prefix, inputs: Inputs, **kw):
         # Tolerances follow the least precise dtype among the inputs and outputs: a
         # bfloat16 rule is only as exact as bfloat16, whatever its cotangents' dtype.
-        return _compare(
-            actual,
-            expected,
-            prefix=prefix,
+        tolerances = dict(
             rtol=self.rtol,
             atol=self.atol,
             floor=_lowest_precision(self.diff, self.out_shape),
-            **kw,
+        )
+        return _compare(
+            actual, expected, prefix=prefix, inputs=inputs, **{**tolerances, **kw}
         )

@@ -24,6 +24,14 @@ class CheckResult:
         values there. For the checks that compare inner products (`transpose`,
         `finite_differences` through the VJP) `index` is `None` and `actual` and
         `expected` are the two inner products.
+    - `inputs`: on a failure at an element, the input elements behind it, by the
+        name of the argument as `fn`'s signature gives it (`x`,
+        `m.sub_model.weight`; `args[1]` where it gives none, as for `*args`). For a
+        cotangent, its argument's element at `index`; for an output leaf, the
+        element at `index` of each input of the leaf's shape (the input element of
+        an elementwise rule; a Module argument's parameters are left out), and
+        `{}` when no input has that shape, so that no input element maps to the
+        index. `None` where there is no element.
     - `seconds`: wall time of the check.
     - `exception`: the exception the rule raised inside the check, if any.
     """
@@ -39,6 +47,7 @@ class CheckResult:
     index: tuple[int, ...] | None = None
     actual: complex | float | None = None
     expected: complex | float | None = None
+    inputs: dict[str, complex | float] | None = None
     seconds: float = 0.0
     exception: BaseException | None = None
 
@@ -49,6 +58,8 @@ class CheckResult:
         if self.status == "failed" and self.exception is None:
             if self.index:
                 figures += f" index {self.index}"
+            if self.inputs is not None:
+                figures += f" {_describe_inputs(self.inputs)}"
             if self.actual is not None and self.expected is not None:
                 figures += f": {self.actual:.6g} where the reference has "
                 figures += f"{self.expected:.6g}"
@@ -61,6 +72,19 @@ class CheckResult:
                     figures += f" (rtol={self.rtol:g}, atol={self.atol:g})"
         detail = f". {self.detail}" if self.detail else ""
         return f"check `{self.name}` {self.status}{where}{figures}{detail}"
+
+
+_SHOWN_INPUTS = 4
+
+
+def _describe_inputs(inputs: dict[str, complex | float]) -> str:
+    if not inputs:
+        return "(no input has this leaf's shape, so no input element maps to the index)"
+    shown = [f"`{name}` = {value:.6g}" for name, value in inputs.items()]
+    if len(shown) > _SHOWN_INPUTS:
+        more = len(shown) - _SHOWN_INPUTS
+        shown = [*shown[:_SHOWN_INPUTS], f"and {more} more"]
+    return f"({'input' if len(inputs) == 1 else 'inputs'} {', '.join(shown)})"
 
 
 @dataclasses.dataclass

@@ -11,7 +11,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ImportError as e:
+    raise ImportError(
+        "`eqxrules.testing.strategies` needs hypothesis, which eqxrules installs "
+        "with its `test` extra: pip install 'eqxrules[test]' (importing hypothesis "
+        f"failed: {e})"
+    ) from e
 
 
 class DomainLike(Protocol):
