@@ -65,7 +65,8 @@ class Quantized(eqx.Module):
     layer's reduction (input) dimension, whatever their own `axis`: the weight's
     input axis (axis 1: `in_features` of a `Linear`, the input channels of a `Conv`)
     and the input's feature (channel) axis, as MX hardware expects. A block that
-    does not divide that dimension is a `ValueError` naming the layer, when the
+    does not divide that dimension is a `ValueError` naming the layer (from
+    [`quantize`][], by its path in the model: `model.layers[1]`), when the
     `Quantized` is built. (Any quantiser with a method
     `for_reduction_axis(axis, length, where)` returning the quantiser to use is
     treated so.)
@@ -106,18 +107,7 @@ class Quantized(eqx.Module):
         self._along_reduction(self.input_quantizer, "input")
 
     def _along_reduction(self, quantizer: Any, role: str) -> Any:
-        """`quantizer`, put along the layer's reduction dimension if it asks to be
-        (a block quantiser), for the layer's weight or input (`role`)."""
-        fit = getattr(quantizer, "for_reduction_axis", None)
-        axes = _reduction_axes(self.layer)
-        if fit is None or axes is None:
-            return quantizer
-        axis, length = axes[role]
-        where = (
-            f"the {role} of `Quantized`'s layer, a {type(self.layer).__name__} with "
-            f"weight shape {tuple(self.layer.weight.shape)}"
-        )
-        return fit(axis, length, where)
+        return _along_reduction(self.layer, quantizer, role, "`Quantized`'s layer")
 
     @property
     def quantized_layer(self) -> Any:
@@ -152,6 +142,22 @@ class Quantized(eqx.Module):
             input_quantizer = self._along_reduction(self.input_quantizer, "input")
             x = call_with_key(input_quantizer, x, input_key)
         return call_with_key(self._quantized_layer(kernel_key), x, layer_key)
+
+
+def _along_reduction(layer: Any, quantizer: Any, role: str, name: str) -> Any:
+    """`quantizer`, put along the reduction dimension of `layer` if it asks to be
+    (a block quantiser), for the layer's weight or input (`role`); an error names
+    the layer as `name`."""
+    fit = getattr(quantizer, "for_reduction_axis", None)
+    axes = _reduction_axes(layer)
+    if fit is None or axes is None:
+        return quantizer
+    axis, length = axes[role]
+    where = (
+        f"the {role} of {name}, a {type(layer).__name__} with weight shape "
+        f"{tuple(layer.weight.shape)}"
+    )
+    return fit(axis, length, where)
 
 
 def _reduction_axes(layer: Any) -> dict[str, tuple[int, int]] | None:
@@ -323,9 +329,12 @@ def quantize(
     if not targets:
         return model
     _warn_constant_sign(model, input_quantizer, targets)
-    paths = [p for p, _ in targets]
 
-    def wrap(layer: Any) -> Quantized:
+    def wrap(path: tuple[Any, ...], layer: Any) -> Quantized:
+        # Checked here first, so that an error names the layer by its path.
+        name = f"the layer at `model{jtu.keystr(path)}`" if path else "`model`"
+        _along_reduction(layer, kernel_quantizer, "weight", name)
+        _along_reduction(layer, input_quantizer, "input", name)
         return Quantized(
             layer,
             kernel_quantizer=_initialised(kernel_quantizer, layer.weight),
@@ -333,7 +342,9 @@ def quantize(
         )
 
     return eqx.tree_at(
-        lambda m: [_get(m, path) for path in paths], model, replace_fn=wrap
+        lambda m: [_get(m, path) for path, _ in targets],
+        model,
+        [wrap(path, layer) for path, layer in targets],
     )
 
 
