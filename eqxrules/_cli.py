@@ -3,6 +3,8 @@ user's rule, or plot rules."""
 
 import argparse
 import json
+import pathlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +15,7 @@ from ._cli_check import (
 )
 from ._cli_output import (
     _LEGEND,
+    _count,
     _device_line,
     _header,
     _line,
@@ -32,7 +35,8 @@ def _verify(args: argparse.Namespace) -> int:
     if not args.json:
         _say(
             _device_line(),
-            f"Verifying {len(entries)} rules with eqxrules.testing.check_rule ...",
+            f"Verifying {_count(len(entries), 'rule')} with "
+            "eqxrules.testing.check_rule ...",
             _line(_header(), widths),
             "  ".join("-" * w for w in widths),
         )
@@ -44,7 +48,7 @@ def _verify(args: argparse.Namespace) -> int:
             r = verify(entry)
         results.append(r)
         if args.verbose:
-            done = f"{len(r.reports)} examples checked in {r.seconds:.2f}s"
+            done = f"{_count(len(r.reports), 'example')} checked in {r.seconds:.2f}s"
             _say(
                 f"  {entry.name}: {done}, {'passed' if r.passed else 'FAILED'}",
                 err=True,
@@ -63,7 +67,7 @@ def _verify(args: argparse.Namespace) -> int:
     verdict = "FAILED" if failed else "passed"
     _say(
         f"\n{len(results) - len(failed)}/{len(results)} rules passed "
-        f"({sum(len(r.reports) for r in results)} checked examples, "
+        f"({_count(sum(len(r.reports) for r in results), 'checked example')}, "
         f"{total:.1f}s): {verdict}"
     )
     return 1 if failed else 0
@@ -152,23 +156,39 @@ def _plot(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         _say(f"eqxrules plot: {e}", err=True)
         return 2
-    try:
-        paths = plot(args.names or None, args.out)
-    except (ModuleNotFoundError, ValueError) as e:
-        _say(f"eqxrules plot: {e}", err=True)
-        return 2
+    paths = []
+    # One rule at a time, so that `--verbose` can say which is being drawn.
+    for entry in _select(args.names):
+        if args.verbose:
+            _say(f"plotting {entry.name} ...", err=True)
+        start = time.perf_counter()
+        try:
+            (path,) = plot([entry.name], args.out)
+        except (ModuleNotFoundError, ValueError) as e:
+            _say(f"eqxrules plot: {e}", err=True)
+            return 2
+        if args.verbose:
+            _say(f"  wrote {path} in {time.perf_counter() - start:.2f}s", err=True)
+        paths.append(path)
     if args.json:
         _say(json.dumps([str(p) for p in paths]))
     else:
-        _say(*(str(p) for p in paths))
+        where = pathlib.Path(args.out).resolve()
+        default = " (the default: choose another with `--out DIR`)"
+        _say(
+            *(str(p) for p in paths),
+            f"Wrote {_count(len(paths), 'plot')} to {where}"
+            f"{default if args.out == _PLOTS else ''}.",
+        )
     return 0
 
 
 _JSON_HELP = "print JSON instead of a table"
 _VERBOSE_HELP = (
-    "say more: progress on stderr (verify), a summary column (list), every check's "
-    "result and any warning (check); not for plot"
+    "say more: progress on stderr (verify, plot), a summary column (list), every "
+    "check's result and any warning (check)"
 )
+_PLOTS = "plots"
 
 
 def _flags(default: Any) -> argparse.ArgumentParser:
@@ -234,11 +254,21 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plot",
-        help="plot each rule's value and derivative (needs matplotlib)",
+        help=f"plot each rule's value and derivative to NAME.png in ./{_PLOTS} "
+        "(needs matplotlib)",
+        description="Plot each rule's value and derivative (its first example, on "
+        f"its domain) to DIR/NAME.png: ./{_PLOTS}/NAME.png unless `--out` says "
+        "otherwise. Needs matplotlib.",
         parents=flags,
     )
     p.add_argument("names", nargs="*", help="rules to plot (default: all)")
-    p.add_argument("--out", default="plots", help="output directory")
+    p.add_argument(
+        "--out",
+        default=_PLOTS,
+        metavar="DIR",
+        help="the directory to write NAME.png to, created if missing (default: "
+        "%(default)s, under the current directory)",
+    )
     p.set_defaults(func=_plot)
     return parser
 
@@ -246,10 +276,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.func is _plot and args.verbose:
-        parser.error(
-            "`--verbose` does not apply to `plot`: it prints each path it writes"
-        )
     if args.func is _list and args.markdown and args.json:
         parser.error("`list`: `--markdown` and `--json` cannot be used together")
     return args.func(args)

@@ -178,6 +178,13 @@ def _check(args: argparse.Namespace) -> int:
         dtype = jnp.dtype(args.dtype)
     except TypeError:
         raise SystemExit(f"eqxrules check: unknown `--dtype` {args.dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        # Else `check_rule` would blame its own `args`, which the user never wrote.
+        raise SystemExit(
+            f"eqxrules check: `--dtype` (={args.dtype!r}) must be a floating-point "
+            "or complex dtype, e.g. float32 or bfloat16: the checks differentiate "
+            "the rule"
+        )
     key, notes = _rule_key(args, needs)
     x = jax.random.normal(jax.random.key(args.seed), shape, jnp.float32).astype(dtype)
     try:

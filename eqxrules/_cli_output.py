@@ -27,6 +27,11 @@ _MODES_WIDTH = len("fwd+rev")
 _SEED_LIMIT = 2**63  # `jax.random.key` takes a seed that fits an int64
 
 
+def _count(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless `n` is 1: "1 rule", "2 rules"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _say(*lines: str, err: bool = False) -> None:
     """Print and flush at once, so that a pipe or a CI log sees each line as it
     happens, not when the buffer fills."""

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.custom_batching import custom_vmap
 from jaxtyping import Array, PRNGKeyArray
 
 from ._catalogue import Rule, call_with_key
@@ -65,7 +66,8 @@ class Quantized(eqx.Module):
     layer's reduction (input) dimension, whatever their own `axis`: the weight's
     input axis (axis 1: `in_features` of a `Linear`, the input channels of a `Conv`)
     and the input's feature (channel) axis, as MX hardware expects. A block that
-    does not divide that dimension is a `ValueError` naming the layer, when the
+    does not divide that dimension is a `ValueError` naming the layer (from
+    [`quantize`][], by its path in the model: `model.layers[1]`), when the
     `Quantized` is built. (Any quantiser with a method
     `for_reduction_axis(axis, length, where)` returning the quantiser to use is
     treated so.)
@@ -106,18 +108,7 @@ class Quantized(eqx.Module):
         self._along_reduction(self.input_quantizer, "input")
 
     def _along_reduction(self, quantizer: Any, role: str) -> Any:
-        """`quantizer`, put along the layer's reduction dimension if it asks to be
-        (a block quantiser), for the layer's weight or input (`role`)."""
-        fit = getattr(quantizer, "for_reduction_axis", None)
-        axes = _reduction_axes(self.layer)
-        if fit is None or axes is None:
-            return quantizer
-        axis, length = axes[role]
-        where = (
-            f"the {role} of `Quantized`'s layer, a {type(self.layer).__name__} with "
-            f"weight shape {tuple(self.layer.weight.shape)}"
-        )
-        return fit(axis, length, where)
+        return _along_reduction(self.layer, quantizer, role, "`Quantized`'s layer")
 
     @property
     def quantized_layer(self) -> Any:
@@ -152,6 +143,22 @@ class Quantized(eqx.Module):
             input_quantizer = self._along_reduction(self.input_quantizer, "input")
             x = call_with_key(input_quantizer, x, input_key)
         return call_with_key(self._quantized_layer(kernel_key), x, layer_key)
+
+
+def _along_reduction(layer: Any, quantizer: Any, role: str, name: str) -> Any:
+    """`quantizer`, put along the reduction dimension of `layer` if it asks to be
+    (a block quantiser), for the layer's weight or input (`role`); an error names
+    the layer as `name`."""
+    fit = getattr(quantizer, "for_reduction_axis", None)
+    axes = _reduction_axes(layer)
+    if fit is None or axes is None:
+        return quantizer
+    axis, length = axes[role]
+    where = (
+        f"the {role} of {name}, a {type(layer).__name__} with weight shape "
+        f"{tuple(layer.weight.shape)}"
+    )
+    return fit(axis, length, where)
 
 
 def _reduction_axes(layer: Any) -> dict[str, tuple[int, int]] | None:
@@ -323,9 +330,12 @@ def quantize(
     if not targets:
         return model
     _warn_constant_sign(model, input_quantizer, targets)
-    paths = [p for p, _ in targets]
 
-    def wrap(layer: Any) -> Quantized:
+    def wrap(path: tuple[Any, ...], layer: Any) -> Quantized:
+        # Checked here first, so that an error names the layer by its path.
+        name = f"the layer at `model{jtu.keystr(path)}`" if path else "`model`"
+        _along_reduction(layer, kernel_quantizer, "weight", name)
+        _along_reduction(layer, input_quantizer, "input", name)
         return Quantized(
             layer,
             kernel_quantizer=_initialised(kernel_quantizer, layer.weight),
@@ -333,7 +343,9 @@ def quantize(
         )
 
     return eqx.tree_at(
-        lambda m: [_get(m, path) for path in paths], model, replace_fn=wrap
+        lambda m: [_get(m, path) for path, _ in targets],
+        model,
+        [wrap(path, layer) for path, layer in targets],
     )
 
 
@@ -352,8 +364,10 @@ def calibrate(
     The model runs once, jitted, with each [`Quantized`][] layer's learned input
     quantiser (one with an `initialised_from` method, as [`LSQ`][] and [`PACT`][]
     have) replaced by a recorder that passes its input on unquantised and copies
-    it to the host (`jax.debug.callback`); each is then fitted to everything its
-    layer saw (for `LSQ`, the step
+    it to the host (`jax.debug.callback`, once per call of the layer, the whole
+    batch at a time); each is then fitted to everything its layer saw, the
+    examples in the order of their bytes, so that the fit is the same bits on
+    every call (for `LSQ`, the step
     $2\,\overline{\lvert v\rvert}/\sqrt{Q_p}$; for `PACT`, $\alpha = \max v$).
     Weight quantisers are applied as they are.
 
@@ -399,16 +413,19 @@ def calibrate(
         return model
 
     # Each recorder sends its input to the host with `jax.debug.callback`, which
-    # sees one example at a time however the model maps over the batch (the
-    # calibration's `vmap`, or the model's own).
+    # works however the model maps over the batch (the calibration's `vmap`, the
+    # model's own, a `lax.scan`, ...). Under `vmap` it is called through
+    # `_recorder`, so that it sends the whole batch at once: `jax.debug.callback`
+    # alone sends one example at a time, a callback per example and layer, which
+    # made calibrating the digits MLP over 100 times slower.
     seen: list[list[np.ndarray]] = [[] for _ in layers]
 
     def recorder(i: int) -> Callable[[Array], Array]:
-        def record(h: Array) -> Array:
-            jax.debug.callback(lambda a: seen[i].append(np.asarray(a)), h)
-            return h
+        def record(batch: np.ndarray, batch_axes: int) -> None:
+            shape = batch.shape[batch_axes:]
+            seen[i].extend(np.asarray(batch).reshape(-1, *shape))
 
-        return record
+        return _recorder(record, 0)
 
     recording = eqx.tree_at(
         lambda m: [n.input_quantizer for n in learned(m)],
@@ -427,11 +444,12 @@ def calibrate(
         if not inputs:
             fitted.append(layer.input_quantizer)
             continue
-        # Every input the layer saw, stacked along a new first axis (so an `axis`
-        # of an input quantiser is best counted from the end); flattened and
-        # joined if their shapes differ. The callbacks arrive in no fixed order:
-        # put the examples in one (by their bytes), so that the fit, a sum in
-        # floating point, is the same bits on every call.
+        # Every example the layer saw, stacked along a new first axis (so an
+        # `axis` of an input quantiser is best counted from the end); flattened
+        # and joined if their shapes differ. The callbacks (one per call of the
+        # layer) arrive in no fixed order: put the examples in one (by their
+        # bytes), so that the fit, a sum in floating point, is the same bits on
+        # every call.
         inputs = sorted(inputs, key=lambda a: (a.shape, a.tobytes()))
         if len({a.shape for a in inputs}) == 1:
             samples = jnp.asarray(np.stack(inputs))
@@ -439,6 +457,29 @@ def calibrate(
             samples = jnp.asarray(np.concatenate([a.reshape(-1) for a in inputs]))
         fitted.append(_initialised(layer.input_quantizer, samples))
     return eqx.tree_at(lambda m: [n.input_quantizer for n in learned(m)], model, fitted)
+
+
+def _recorder(
+    record: Callable[[np.ndarray, int], None], batch_axes: int
+) -> Callable[[Array], Array]:
+    """The identity, sending its input to the host as `record(input, batch_axes)`:
+    the input as one array, whose first `batch_axes` axes are those of the
+    `vmap`s it is called under (each `vmap` adds one, in front), so that each
+    example's part of it is `input[i, j, ...]`."""
+
+    @custom_vmap
+    def identity(h: Array) -> Array:
+        jax.debug.callback(lambda a: record(a, batch_axes), h)
+        return h
+
+    @identity.def_vmap
+    def batched(axis_size: int, in_batched: list[bool], h: Array) -> Any:
+        # (`jax.debug.callback`'s own rule would call it once per example.)
+        (is_batched,) = in_batched
+        more = batch_axes + 1 if is_batched else batch_axes
+        return _recorder(record, more)(h), is_batched
+
+    return identity
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:

@@ -272,24 +272,74 @@ def test_check_flags_before_or_after(capsys, user_module, before):
     assert code == 0 and "check `vjp` passed" in out  # passed checks shown too
 
 
-@pytest.mark.parametrize("argv", [["--verbose", "plot"], ["plot", "--verbose"]])
-def test_plot_rejects_verbose(capsys, argv):
+@pytest.fixture
+def fake_plot(monkeypatch):
+    """`plot` replaced by one that writes nothing: for what the command line
+    prints, not for the drawing."""
+
+    def fake(names, out):
+        return [pathlib.Path(out) / f"{n}.png" for n in names]
+
+    monkeypatch.setattr(_plot, "plot", fake)
+
+
+def test_plot_help_says_what_verbose_does_and_where_plots_go(capsys):
+    """0.2.0's `plot --help` listed `--verbose` "not for plot", and `plot
+    --verbose` was an error; nor did it say where the plots went."""
     with pytest.raises(SystemExit) as e:
-        _cli.main(argv)
-    assert e.value.code == 2
-    assert "`--verbose` does not apply to `plot`" in capsys.readouterr().err
+        _cli.main(["plot", "--help"])
+    assert e.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "progress on stderr (verify, plot)" in shown
+    assert "not for plot" not in shown
+    assert "./plots/NAME.png unless `--out`" in shown
+    assert "(default: plots, under the current directory)" in shown
+
+
+@pytest.mark.parametrize("argv", [["--verbose", "plot"], ["plot", "--verbose"]])
+def test_plot_verbose_shows_progress(capsys, fake_plot, tmp_path, argv):
+    code = _cli.main([*argv, "ste_sign", "SteRound", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "plotting ste_sign ..." in err and "plotting ste_round ..." in err
+    assert f"wrote {tmp_path / 'ste_round.png'} in " in err
+
+
+def test_plot_says_where_it_wrote(capsys, fake_plot, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = _run(capsys, "plot", "ste_sign")
+    assert code == 0 and out.splitlines()[0] == str(pathlib.Path("plots/ste_sign.png"))
+    default = "(the default: choose another with `--out DIR`)"
+    assert f"Wrote 1 plot to {tmp_path / 'plots'} {default}." in out
+    code, out = _run(capsys, "plot", "ste_sign", "detach", "--out", "elsewhere")
+    assert f"Wrote 2 plots to {tmp_path / 'elsewhere'}." in out
+    assert "the default" not in out
 
 
 @pytest.mark.parametrize(
     "argv", [["--json", "plot", "ste_sign"], ["plot", "ste_sign", "--json"]]
 )
-def test_plot_json_before_or_after(capsys, monkeypatch, tmp_path, argv):
-    def fake_plot(names, out):
-        return [pathlib.Path(out) / f"{n}.png" for n in names]
-
-    monkeypatch.setattr(_plot, "plot", fake_plot)
+def test_plot_json_before_or_after(capsys, fake_plot, tmp_path, argv):
     code, out = _run(capsys, *argv, "--out", str(tmp_path))
     assert code == 0 and json.loads(out) == [str(tmp_path / "ste_sign.png")]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_verify_counts_rules_in_words(capsys, fake_verify, count):
+    """ "Verifying 1 rule", not 0.2.0's "Verifying 1 rules"."""
+    code, out = _run(capsys, "verify", *["detach", "ste_round"][:count])
+    assert code == 0
+    assert f"Verifying {count} rule{'s' if count > 1 else ''} with " in out
+
+
+def test_check_an_integer_dtype_names_the_flag(user_module):
+    """`--dtype int32`: the error names `--dtype` and its value, not `check_rule`'s
+    `args`, which the user never wrote."""
+    with pytest.raises(SystemExit) as e:
+        _cli.main(["check", "jax.numpy:sin", "--dtype", "int32"])
+    message = str(e.value)
+    assert "`--dtype` (='int32') must be a floating-point or complex dtype" in message
+    assert "`args`" not in message
 
 
 class _Terminal(io.StringIO):

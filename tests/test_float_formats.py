@@ -272,7 +272,7 @@ def test_block_rules_are_straight_through_with_the_scales_fixed():
     [
         (lambda x: eqxrules.mx_quantize(x), "`block_size` (=32)"),
         (lambda x: eqxrules.MXQuantize(block_size=4, axis=0)(x), "`block_size` (=4)"),
-        (lambda x: eqxrules.nvfp4_quantize(x), "16 (NVFP4's block size)"),
+        (lambda x: eqxrules.nvfp4_quantize(x), "`block_size` (=16)"),
     ],
     ids=["mx", "mx-axis-0", "nvfp4"],
 )
@@ -288,16 +288,49 @@ def test_block_must_divide_the_axis(call, named):
 
 def test_a_layer_whose_dimension_the_block_does_not_divide():
     """`quantize` an MLP 64 → 20 → 10 with MX weights: the second Linear's 20
-    inputs are not a multiple of 32; the error names the layer and the length."""
+    inputs are not a multiple of 32; the error names the layer by its path in the
+    model (0.2.0 said only "`Quantized`'s layer"), its weight shape and the
+    length."""
     mlp = eqx.nn.MLP(64, 10, 20, 1, key=jax.random.key(0))
     with pytest.raises(ValueError) as info:
         eqxrules.quantize(mlp, kernel_quantizer=eqxrules.MXQuantize())
     message = str(info.value)
-    for part in ("`mx_quantize`", "`block_size` (=32)", "Linear", "(10, 20)", "20."):
+    for part in (
+        "`mx_quantize`",
+        "`block_size` (=32)",
+        "the layer at `model.layers[1]`, a Linear",
+        "(10, 20)",
+        "20.",
+    ):
         assert part in message, (part, message)
+    nested = {
+        "encoder": eqx.nn.Sequential([eqx.nn.Linear(24, 8, key=jax.random.key(0))])
+    }
+    with pytest.raises(ValueError, match=r"input of the layer at `model\['encoder'\]"):
+        eqxrules.quantize(nested, input_quantizer=eqxrules.NVFP4Quantize())
     conv = eqx.nn.Conv2d(8, 4, 3, key=jax.random.key(0))
     with pytest.raises(ValueError, match="input of `Quantized`'s layer, a Conv2d"):
         eqxrules.Quantized(conv, input_quantizer=eqxrules.NVFP4Quantize())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: eqxrules.NVFP4Quantize(block_size=32),
+        lambda: eqxrules.nvfp4_quantize(jnp.ones((2, 32)), block_size=32),
+    ],
+    ids=["class", "function"],
+)
+def test_nvfp4_block_size_is_fixed_at_16(make):
+    """A `ValueError` that says NVFP4's block is 16, naming the rule, the argument
+    and the value (0.2.0: Python's "unexpected keyword argument"). 16 is accepted,
+    so that NVFP4 is built like MX."""
+    with pytest.raises(ValueError) as info:
+        make()
+    message = str(info.value)
+    assert "`nvfp4_quantize`: `block_size` (=32) must be 16" in message, message
+    assert "NVFP4" in message, message
+    assert eqxrules.NVFP4Quantize(block_size=16) == eqxrules.NVFP4Quantize()
 
 
 # -- in layers -----------------------------------------------------------------------

@@ -153,6 +153,50 @@ def test_errors_name_the_rule_argument_and_value(make, error, shown):
     assert shown in message, message
 
 
+@pytest.mark.parametrize("bits", [17, 32])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: eqxrules.LSQ(0.5, bits=b),
+        lambda b: eqxrules.LSQ(0.5, bits=b, signed=False),
+        lambda b: eqxrules.PACT(1.0, bits=b),
+        lambda b: eqxrules.lsq_quantize(jnp.ones(3), 0.5, bits=b),
+        lambda b: eqxrules.pact_quantize(jnp.ones(3), 1.0, bits=b),
+    ],
+    ids=["lsq", "lsq-unsigned", "pact", "lsq_quantize", "pact_quantize"],
+)
+def test_more_than_16_bits_are_rejected_when_built(make, bits):
+    """As `ste_quantize`: a `ValueError` when the Module is built, saying why (0.2.0
+    accepted 17, and 32 failed at the call with JAX's bare `OverflowError`)."""
+    with pytest.raises(ValueError) as info:
+        make(bits)
+    message = str(info.value)
+    assert "`lsq_quantize`" in message or "`pact_quantize`" in message, message
+    assert f"`bits` (={bits}) must be <= 16 (as for `ste_quantize`" in message
+
+
+def test_16_bits_compute_every_level_signed_and_unsigned():
+    """The largest `bits` accepted works at the call, exactly, on steps that are
+    powers of two: the ends of the range, beyond them, and ties to even.
+    Signed: levels -32768..32767; unsigned: 0..65535. PACT: alpha = 65535/1024,
+    so that its levels are k/1024."""
+    s = 0.5
+    signed = eqxrules.LSQ(jnp.array(s), bits=16)
+    x = jnp.array([-32768 * s, -40000.0, 32767 * s, 1e9, 0.25, 0.75, 2.5 * s])
+    want = [-32768 * s, -32768 * s, 32767 * s, 32767 * s, 0.0, 1.0, 2 * s]
+    np.testing.assert_array_equal(signed(x), want)
+    unsigned = eqxrules.LSQ(jnp.array(s), bits=16, signed=False)
+    x = jnp.array([-1.0, 65535 * s, 1e9, 65534.5 * s, 65533.5 * s, 0.75])
+    want = [0.0, 65535 * s, 65535 * s, 65534 * s, 65534 * s, 1.0]
+    np.testing.assert_array_equal(unsigned(x), want)
+    _, g_x = _grads(unsigned, jnp.array([-1.0, 1.0, 65534 * s, 65535 * s]))
+    np.testing.assert_array_equal(g_x, [0, 1, 1, 0])
+    pact = eqxrules.PACT(jnp.array(65535 / 1024, jnp.float32), bits=16)
+    x = jnp.array([-1.0, 1 / 1024, 2.5 / 1024, 70.0, 65535 / 1024])
+    want = np.array([0.0, 1.0, 2.0, 65535.0, 65535.0]) / 1024
+    np.testing.assert_array_equal(pact(x), want)
+
+
 def test_from_data_is_the_papers_initialisation():
     w = jax.random.normal(jax.random.key(0), (4, 6))
     q = eqxrules.LSQ.from_data(w, bits=4)

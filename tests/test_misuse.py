@@ -363,6 +363,68 @@ def test_nan_and_inf_stay_local(entry):
         np.testing.assert_array_equal(np.asarray(a)[finite], np.asarray(b)[finite])
 
 
+def _takes_one_float_array(entry: eqxrules.Entry) -> bool:
+    """Whether the rule rejects an integer array as not floating-point: the rules
+    on one floating-point array (elementwise, blocked, learned, categorical), not
+    the pytree rules nor those that pass `x` to a model they wrap."""
+    rule = _examples(entry)[0]
+    x = jnp.zeros(entry.domain.shape, jnp.int32)
+    try:
+        rule(x, **rule.call_kwargs(CALL_KEY))
+    except TypeError as e:
+        return "expects a floating-point array" in str(e)
+    return False
+
+
+ARRAY_ENTRIES = [e for e in ENTRIES if _takes_one_float_array(e)]
+
+
+def test_the_array_rules_are_found():
+    """The selection above finds every elementwise rule and each kind of rule on
+    one array (so the test below cannot pass by selecting nothing)."""
+    found = {e.name for e in ARRAY_ENTRIES}
+    assert {e.name for e in ENTRIES if e.elementwise} <= found
+    kinds = {"lsq_quantize", "pact_quantize", "mx_quantize", "nvfp4_quantize"}
+    assert kinds | {"straight_through_onehot", "magnitude_aware_sign"} <= found
+    assert not any(e.module.pytree_input for e in ARRAY_ENTRIES)
+
+
+@pytest.mark.parametrize(
+    "value", [[0.5, -1.0], (0.5,), "0.5", None], ids=["list", "tuple", "str", "None"]
+)
+@pytest.mark.parametrize("entry", ARRAY_ENTRIES, ids=lambda e: e.name)
+def test_input_that_is_not_an_array(entry, value):
+    """A list (or a tuple, a string, `None`) where the rule takes an array: a
+    `TypeError` naming the rule, its input, what was given and what to do, as
+    `jnp`'s own functions reject lists (0.2.0 said `Cannot determine dtype of
+    [0.5, -1.0]`, naming neither)."""
+    rule = _examples(entry)[0]
+    argument = _positional(entry.function)[0]
+    given = "None" if value is None else f"a {type(value).__name__} ({value!r})"
+    with pytest.raises(TypeError) as info:
+        rule(value, **rule.call_kwargs(CALL_KEY))
+    _assert_names(
+        str(info.value),
+        _names(entry.module),
+        f"floating-point array for `{argument}`, got {given}",
+        f"`jnp.asarray({argument})`",
+    )
+
+
+@pytest.mark.parametrize(
+    "entry", [e for e in ENTRIES if e.module.pytree_input], ids=lambda e: e.name
+)
+def test_pytree_rules_take_a_list(entry):
+    """A rule on any pytree still takes a list of arrays, and gives a list: its
+    reference's value."""
+    rule = _examples(entry)[0]
+    kwargs = rule.call_kwargs(CALL_KEY)
+    x = [jnp.asarray(_sample(entry)), jnp.asarray(_sample(entry, seed=2))]
+    out = rule(x, **kwargs)
+    assert isinstance(out, list) and len(out) == 2
+    _assert_same(out, rule.reference_forward(x, **kwargs), "value")
+
+
 def _shaped_entries() -> list[Any]:
     """Entries that take any shape: elementwise rules and pytree rules."""
     return [e for e in ENTRIES if e.elementwise or e.module.pytree_input]

@@ -109,8 +109,8 @@ def mx_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e2m1', block_si
 OCP MX: blocks of block_size along axis share the scale X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)); derivative `t`."""
 
 
-def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, axis: int = -1) -> Float[Array, '*shape']:
-    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, axis=-1)`.
+def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, block_size: int = 16, axis: int = -1) -> Float[Array, '*shape']:
+    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, block_size=16, axis=-1)`.
 
 NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3(amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)); derivative `t`."""
 

@@ -49,7 +49,7 @@ class _Categorical(JVPRule):
     def _check_call(self, args: tuple[Any, ...]) -> None:
         # `axis` is each subclass's field (declared there, in its own place).
         axis = getattr(self, "axis")
-        check_float_array(self.rule_name(), args)
+        check_float_array(self.rule_name(), args, argument="logits")
         check_axis(self.rule_name(), axis, jnp.shape(args[0]), "logits")
 
 

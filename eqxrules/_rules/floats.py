@@ -41,6 +41,19 @@ element_format = Check(
 _F32 = jnp.float32
 
 
+def fixed(value: int, why: str) -> Check:
+    """A hyperparameter that a format fixes: declared so that the rule takes it
+    like its kin (`NVFP4Quantize(block_size=16)`, as `MXQuantize(block_size=32)`),
+    and any other value is a `ValueError` that says why, rather than Python's
+    "unexpected keyword argument"."""
+    return Check(
+        f"be {value!r} ({why})",
+        lambda v, _: v == value,
+        bad=(value * 2,),
+        after=(integer,),
+    )
+
+
 class FloatQuantize(_Elementwise):
     r"""Rounding to a floating-point element format (FP8, FP6, FP4), scaled, with
     the straight-through estimator inside the format's range.
@@ -148,16 +161,13 @@ def _from_blocks(b: Array, axis: int, like: Array) -> Array:
 
 
 class _Blocked(JVPRule):
-    """A quantiser on blocks of consecutive elements along `axis`: not elementwise
-    (it takes one floating-point array whose `axis` the block divides), with the
-    straight-through derivative, the scales held fixed."""
+    """A quantiser on blocks of `block_size` consecutive elements along `axis` (each
+    subclass's fields): not elementwise (it takes one floating-point array whose
+    `axis` the block divides), with the straight-through derivative, the scales
+    held fixed."""
 
     elementwise: ClassVar[bool] = False
     domain: ClassVar[Domain] = Domain(shape=(4, 32))
-
-    def block(self) -> tuple[int, str]:
-        """The block length, and how an error names it."""
-        raise NotImplementedError
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
         check_float_array(self.rule_name(), args)
@@ -169,10 +179,10 @@ class _Blocked(JVPRule):
     def check_length(self, length: int, axis: int, where: str) -> None:
         """A `ValueError` naming the rule, the block, `axis` and `where` unless the
         block divides `length`."""
-        size, named = self.block()
+        size = getattr(self, "block_size")
         if length % size:
             raise ValueError(
-                f"`{self.rule_name()}`: {named} must divide the length of the "
+                f"`{self.rule_name()}`: `block_size` (={size}) must divide the length of the "
                 f"blocked axis, axis {axis} of {where}, whose length is {length}."
             )
 
@@ -250,9 +260,6 @@ class MXQuantize(_Blocked):
     )
     functional_name: ClassVar[str] = "mx_quantize"
 
-    def block(self) -> tuple[int, str]:
-        return self.block_size, f"`block_size` (={self.block_size})"
-
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
@@ -306,6 +313,8 @@ class NVFP4Quantize(_Blocked):
 
     **Arguments:**
 
+    - `block_size`: 16, fixed by the format (any other value is a `ValueError`;
+        declared so that NVFP4 is built like [`MXQuantize`][]).
     - `axis`: the axis the blocks run along.
 
     !!! Example
@@ -316,6 +325,7 @@ class NVFP4Quantize(_Blocked):
         ```
     """
 
+    block_size: int = hyperparameter(16, fixed(16, "the NVFP4 format fixes it"))
     axis: int = hyperparameter(-1, axis_index)
 
     summary: ClassVar[str] = (
@@ -324,14 +334,11 @@ class NVFP4Quantize(_Blocked):
     )
     functional_name: ClassVar[str] = "nvfp4_quantize"
 
-    def block(self) -> tuple[int, str]:
-        return 16, "16 (NVFP4's block size)"
-
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
         t = divide(jnp.max(jnp.abs(w), initial=0.0), 448.0 * 6)
-        b = _to_blocks(w, self.axis, 16)
+        b = _to_blocks(w, self.axis, self.block_size)
         a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
         s = round_to(e4m3, jnp.clip(divide(divide(a, 6.0), t), 0.0, 448.0))
         d = t * s

@@ -39,6 +39,7 @@ from .._hyper import (
     positive_everywhere,
 )
 from ._elementwise import masked_identity, sg, wide
+from ._exact import MAX_BITS
 from .quantize import _reference_round
 
 _signed_bits = Check(
@@ -49,6 +50,16 @@ _signed_bits = Check(
     ),
     lambda v, m: v >= (2 if m.signed is True else 1),
     bad=lambda m: (1,) if m.signed is True else (0,),
+    after=(integer,),
+)
+# The bound of `ste_quantize`. Well before float32 stops resolving the ties (24
+# bits), `kinks()`, which `verify` probes, would list millions; and from 32 bits
+# the unsigned levels overflow int32 (a raw `OverflowError` at the call).
+_at_most_bits = Check(
+    f"be <= {MAX_BITS} (as for `ste_quantize`: `kinks()` lists all 2^bits - 1 "
+    "ties between levels)",
+    lambda v, _: v <= MAX_BITS,
+    bad=(MAX_BITS + 1, 32),
     after=(integer,),
 )
 
@@ -115,7 +126,7 @@ class LSQ(JVPRule):
     - `step`: $s$, a positive float or floating-point array: a scalar per tensor,
         or a 1-D array with one step per channel along `axis`. Only an array is a
         trainable leaf (what [`LSQ.from_data`][eqxrules.LSQ.from_data] gives).
-    - `bits`: an integer $b \ge 2$ if `signed`, $\ge 1$ if not.
+    - `bits`: an integer $b \le 16$, $b \ge 2$ if `signed`, $\ge 1$ if not.
     - `signed`: `True` for levels $-Q_n \dots Q_p$, `False` for $0 \dots 2^b - 1$.
     - `grad_scale`: $g$, a positive number, or `None` for $1/\sqrt{N Q_p}$
         (`1.0` gives the raw eq. 3).
@@ -135,7 +146,7 @@ class LSQ(JVPRule):
     """
 
     step: float | Array = parameter(positive_everywhere)
-    bits: int = hyperparameter(_signed_bits, kw_only=True)
+    bits: int = hyperparameter(_signed_bits, _at_most_bits, kw_only=True)
     signed: bool = hyperparameter(True, boolean, kw_only=True)
     grad_scale: float | None = hyperparameter(
         None, positive, allow_none=True, kw_only=True
@@ -360,7 +371,7 @@ class PACT(JVPRule):
 
     - `alpha`: $\alpha$, a positive float or floating-point scalar array (only an
         array is a trainable leaf).
-    - `bits`: an integer $b \ge 1$.
+    - `bits`: an integer $1 \le b \le 16$.
 
     !!! Example
 
@@ -372,7 +383,7 @@ class PACT(JVPRule):
     """
 
     alpha: float | Array = parameter(positive_everywhere)
-    bits: int = hyperparameter(at_least(1, integer), kw_only=True)
+    bits: int = hyperparameter(at_least(1, integer), _at_most_bits, kw_only=True)
 
     summary: ClassVar[str] = (
         "round(clip(x, 0, α)·n/α)·α/n with n = 2^bits − 1, α learned; derivative "
