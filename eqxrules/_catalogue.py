@@ -352,6 +352,8 @@ class ElementwiseRule(JVPRule):
         out: Any,
         **kwargs: Any,
     ) -> Any:
+        """`t · slope(x)`: `t` where the mask holds (or the slope is `None`), the
+        product where the slope is non-zero, exactly 0 elsewhere."""
         (x,) = args
         (t,) = t_args
         if t is None:
