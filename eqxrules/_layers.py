@@ -28,6 +28,8 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array, PRNGKeyArray
 
 from ._catalogue import Rule, call_with_key
+from ._lowp.layer import quantize_with_recipe
+from ._lowp.recipes import Recipe
 from ._registry import catalogue
 
 _M = TypeVar("_M")
@@ -257,6 +259,7 @@ def quantize(
     *,
     kernel_quantizer: Quantizer | None = None,
     input_quantizer: Quantizer | None = None,
+    recipe: Recipe | None = None,
     where: Callable[[Any], bool] = _has_weight_layer,
 ) -> _M:
     """Wrap every matching layer of `model` in [`Quantized`][], by tree surgery
@@ -274,13 +277,20 @@ def quantize(
         its own learnable step (per output channel, the weight's axis 0 in
         `Linear` and `Conv1d/2d/3d`, if the quantiser has `axis=0`). A learned input
         quantiser is fitted with [`calibrate`][].
+    - `recipe`: instead of the quantisers, an [`eqxrules.recipes.Recipe`][]: each
+        matching `eqx.nn.Linear` (by default every one) computes its product with
+        [`quantized_dot`][], forward and backward quantised: it becomes a
+        [`QuantizedLinear`][]. Wrap the model in [`Keyed`][] to give each layer a
+        key at every call, as a recipe that draws random numbers needs.
     - `where`: a predicate choosing the layers to wrap. Default: every
-        `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`).
+        `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`); with
+        `recipe`, every `eqx.nn.Linear`.
 
     **Returns:**
 
     A copy of `model` with each matching layer `layer` replaced by
-    `Quantized(layer, kernel_quantizer=..., input_quantizer=...)`.
+    `Quantized(layer, kernel_quantizer=..., input_quantizer=...)`, or with `recipe`
+    by `QuantizedLinear(layer, recipe)`.
 
     **Raises:**
 
@@ -310,6 +320,12 @@ def quantize(
     """
     _check_quantizer("quantize", "kernel_quantizer", kernel_quantizer)
     _check_quantizer("quantize", "input_quantizer", input_quantizer)
+    if recipe is not None:
+        default = where is _has_weight_layer
+        quantizers = (kernel_quantizer, input_quantizer)
+        return quantize_with_recipe(
+            model, recipe, None if default else where, quantizers
+        )
 
     def is_leaf(node: Any) -> bool:
         return isinstance(node, Quantized) or where(node)
