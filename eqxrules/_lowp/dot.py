@@ -103,6 +103,11 @@ def _evaluate(
     return jax.lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=_F32)
 
 
+# One compiled program per product when called eagerly (op by op, the quantisers
+# alone compile dozens of small programs); inlined under an enclosing `jit`.
+_compiled = jax.jit(_evaluate, static_argnums=(0, 1))
+
+
 def length_error(product: Product, layout: Layout, length: int) -> str | None:
     """The message of the `ValueError` when a block of `product` (its quantisers'
     or its Hadamard transform's) does not divide the reduced `length`; else
@@ -151,7 +156,7 @@ def product(layout: Layout, spec: Product) -> Any:
     @custom_vmap
     def run(lhs: Array, rhs: Array, w: Array, key: Any) -> Array:
         del w
-        return _evaluate(spec, layout, lhs, rhs, key)
+        return _compiled(spec, layout, lhs, rhs, key)
 
     @run.def_vmap
     def batched(size: int, in_batched: Any, lhs: Array, rhs: Array, w: Array, key):
