@@ -48,9 +48,9 @@ def _binomial_tail(n: int, p: float, k: int) -> float:
 
 
 def _most(n: int, p: float, rate: float = RATE) -> int:
-    """The largest count `k` with `P(Binomial(n, p) >= k) > rate`: a count above it
-    has probability at most `rate` when each of `n` runs succeeds with probability
-    at most `p`."""
+    """The smallest count `k` above which a count has probability at most `rate`
+    (`P(Binomial(n, p) > k) <= rate`), when each of `n` independent runs succeeds
+    with probability at most `p`."""
     return next(k for k in range(n + 2) if _binomial_tail(n, p, k + 1) <= rate)
 
 
