@@ -4,6 +4,8 @@
 checks any callable, and this package imports nothing else of eqxrules. The
 catalogue's own tests and `python -m eqxrules` are built on it, and
 [`eqxrules.verify_rule`][] runs the catalogue's battery on any rule class.
+[`check_unbiased`][eqxrules.testing.check_unbiased] tests a stochastic rounding for
+bias at a stated false-fail rate.
 """
 
 from typing import TYPE_CHECKING, Any
