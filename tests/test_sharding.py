@@ -26,6 +26,9 @@ WORKER = ROOT / "tests" / "sharding_worker.py"
 # Run by the worker with `main(quick=True)`, and as a script by the slow test.
 EXAMPLE = "data_parallel"
 ENTRIES = eqxrules.catalogue()
+# One xdist worker takes every test here (`--dist loadgroup`), so the worker
+# subprocess runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("sharding")
 
 
 def _env(**extra: str) -> dict[str, str]:

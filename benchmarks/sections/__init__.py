@@ -12,6 +12,6 @@ A section module has:
   was not measured) and the whole results.
 """
 
-from . import checker, overhead, residuals, suite, throughput, trace, trick
+from . import checker, overhead, residuals, suite, throughput, trace, trick, unbiased
 
-SECTIONS = (overhead, trick, residuals, trace, checker, suite, throughput)
+SECTIONS = (overhead, trick, residuals, trace, checker, suite, throughput, unbiased)

@@ -4,17 +4,28 @@
 checks any callable, and this package imports nothing else of eqxrules. The
 catalogue's own tests and `python -m eqxrules` are built on it, and
 [`eqxrules.verify_rule`][] runs the catalogue's battery on any rule class.
+[`check_unbiased`][eqxrules.testing.check_unbiased] tests a stochastic rounding for
+bias at a stated false-fail rate.
 """
 
 from typing import TYPE_CHECKING, Any
 
 from ._check import CHECKS as CHECKS, check_rule as check_rule
 from ._checks import FINITE_DIFFERENCE_TOLERANCES as FINITE_DIFFERENCE_TOLERANCES
+from ._chernoff import (
+    detectable_bias as detectable_bias,
+    draws_to_detect_bias as draws_to_detect_bias,
+)
 from ._compare import DEFAULT_TOLERANCES as DEFAULT_TOLERANCES
 from ._report import (
     CheckResult as CheckResult,
     RuleCheckError as RuleCheckError,
     RuleReport as RuleReport,
+)
+from ._unbiased import (
+    UnbiasedCheckError as UnbiasedCheckError,
+    UnbiasedReport as UnbiasedReport,
+    check_unbiased as check_unbiased,
 )
 
 if TYPE_CHECKING:
@@ -48,6 +59,11 @@ __all__ = [
     "CheckResult",
     "RuleCheckError",
     "RuleReport",
+    "UnbiasedCheckError",
+    "UnbiasedReport",
     "check_rule",
+    "check_unbiased",
+    "detectable_bias",
+    "draws_to_detect_bias",
     "strategies",
 ]
