@@ -161,3 +161,14 @@ def data(kind: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
         hit = (i + j) % 16 == 0
         m[hit] = np.where(rng.random(hit.sum()) < 0.5, -top, top)
     return a
+
+
+def product_bounds(qa, a_axis, qb, b_axis):
+    """`(lo, hi)`: every value the product of operands drawn between the two
+    neighbours given (`qa = (La, Ua)`, `qb = (Lb, Ub)`, elementwise) can take, term
+    by term."""
+    a = [np.moveaxis(np.asarray(v, np.float64), a_axis, -1) for v in qa]
+    b = [np.moveaxis(np.asarray(v, np.float64), b_axis, 0) for v in qb]
+    # Each term a_k b_k at its four corners; the sum's extremes, term by term.
+    terms = np.stack([ai[:, :, None] * bj[None, :, :] for ai in a for bj in b])
+    return terms.min(0).sum(1), terms.max(0).sum(1)

@@ -91,7 +91,7 @@ def _evaluate(
         return _shape_error.bind(lhs, message=message, shape=shape)
     k_lhs = k_rhs = None
     if key is not None:
-        k_lhs, k_rhs, k_signs = jax.random.split(key, 3)
+        k_lhs, k_rhs, k_signs = operand_keys(key)
         if product.hadamard is not None:
             # The same signs on both operands: R Rᵀ = I leaves the product alone.
             signs = random_signs(k_signs, product.hadamard)
@@ -106,6 +106,14 @@ def _evaluate(
 # One compiled program per product when called eagerly (op by op, the quantisers
 # alone compile dozens of small programs); inlined under an enclosing `jit`.
 _compiled = jax.jit(_evaluate, static_argnums=(0, 1))
+
+
+def operand_keys(key: PRNGKeyArray) -> tuple[Array, Array, Array]:
+    """A product's keys: its left operand's, its right operand's (independent, so
+    that the expectation of a product of two stochastically rounded operands is
+    the product of their expectations), and its Hadamard signs'."""
+    k = jax.random.split(key, 3)
+    return k[0], k[1], k[2]
 
 
 def length_error(product: Product, layout: Layout, length: int) -> str | None:
