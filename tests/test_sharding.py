@@ -92,3 +92,50 @@ def test_data_parallel_script_sets_its_own_devices():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "split over 8 devices" in proc.stdout
     assert "loss matches the single-device run" in proc.stdout
+
+
+QDOT_RECIPES = ("identity", "mxfp8", "nvfp4_1d_nearest_rht", "stochastic_round")
+PLANTED_QDOT = "planted_straddling_blocks"
+
+
+def test_quantized_dot_sharded_equals_one_device(sharded):
+    """Value and cotangents of a `vmap`ped `quantized_dot` under `jit`, the batch
+    sharded over 8 devices and on one, each within the float32 bound of the
+    reference (per-tensor scales over the whole batch)."""
+    results = sharded["quantized_dot"]
+    for name in (*QDOT_RECIPES, PLANTED_QDOT):
+        assert results[name]["failures"] == [], name
+
+
+def extra_collectives(ours: list, plain: list) -> list:
+    """The collectives of `ours` beyond `plain`'s (each `[op, operand sizes]`):
+    any op `plain` lacks, and any all-reduce of more than scalars that `plain`
+    does not have. Scalar all-reduces (a per-tensor scale's global amax) pass."""
+    ops = {op for op, _ in plain}
+    big = sorted(size for _, sizes in plain for size in sizes if size > 1)
+    extra = [c for c in ours if c[0] not in ops]
+    ours_big = sorted(
+        size for op, sizes in ours if op in ops for size in sizes if size > 1
+    )
+    if ours_big != big:
+        extra.append(["all-reduce sizes", ours_big])
+    return extra
+
+
+def test_quantized_dot_needs_no_collective_beyond_jnp_dots(sharded):
+    results = sharded["quantized_dot"]
+    for name in QDOT_RECIPES:
+        plain = results[name]["plain"]
+        assert plain == [["all-reduce", [64 * 64]]]  # the weight's cotangent, summed
+        assert extra_collectives(results[name]["collectives"], plain) == [], name
+    # NVFP4's per-tensor scales: one all-reduce of four scalars (the global amax of
+    # x, dy and, rotated, of both again), nothing of the batch's size.
+    scalars = [
+        c for c in results["nvfp4_1d_nearest_rht"]["collectives"] if max(c[1]) == 1
+    ]
+    assert scalars == [["all-reduce", [1, 1, 1, 1]]]
+
+
+def test_the_collective_check_catches_blocks_straddling_devices(sharded):
+    planted = sharded["quantized_dot"][PLANTED_QDOT]
+    assert extra_collectives(planted["collectives"], planted["plain"]) != []

@@ -25,6 +25,7 @@ product's blocks, and any per-tensor scale, then see the batch, exactly as when
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
@@ -81,10 +82,11 @@ def _quantise(q: Any, a: Array, axis: int, key: PRNGKeyArray | None) -> Array:
 
 
 def _evaluate(
-    product: Product, layout: Layout, lhs: Array, rhs: Array, key: Any
+    product: Product, layout: Layout, lhs: Array, rhs: Array, w: Array, key: Any
 ) -> Array:
     """`Q(lhs) · Q(rhs)` in float32, reduced as `layout` says, after the random
-    Hadamard transform of both operands if `product` asks for it."""
+    Hadamard transform of both operands if `product` asks for it. `w` is the
+    weight, whose sharding the weight-gradient product takes."""
     message = length_error(product, layout, lhs.shape[layout.lhs_axis])
     if message is not None:
         shape = (lhs.shape[1 - layout.lhs_axis], rhs.shape[1 - layout.rhs_axis])
@@ -100,7 +102,26 @@ def _evaluate(
     q_lhs = _quantise(product.lhs, lhs, layout.lhs_axis, k_lhs)
     q_rhs = _quantise(product.rhs, rhs, layout.rhs_axis, k_rhs)
     dims = (((layout.lhs_axis,), (layout.rhs_axis,)), ((), ()))
-    return jax.lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=_F32)
+    sharding = _sharding_of(w) if layout is WEIGHT_GRADIENT else {}
+    return jax.lax.dot_general(
+        q_lhs, q_rhs, dims, preferred_element_type=_F32, **sharding
+    )
+
+
+def _sharding_of(w: Array) -> dict[str, Any]:
+    """`{"out_sharding": w's sharding}`, as `jnp.dot`'s transpose gives its
+    weight's cotangent: with explicit sharding (JAX >= 0.7) a product reducing a
+    sharded batch must be told its output's. Empty where JAX has no such thing."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None or "out_sharding" not in _DOT_PARAMETERS:
+        return {}
+    sharding = getattr(typeof(w), "sharding", None)
+    if sharding is None or sharding.mesh.empty:
+        return {}
+    return {"out_sharding": sharding}
+
+
+_DOT_PARAMETERS = inspect.signature(jax.lax.dot_general).parameters
 
 
 # One compiled program per product when called eagerly (op by op, the quantisers
@@ -163,8 +184,7 @@ def product(layout: Layout, spec: Product) -> Any:
 
     @custom_vmap
     def run(lhs: Array, rhs: Array, w: Array, key: Any) -> Array:
-        del w
-        return _compiled(spec, layout, lhs, rhs, key)
+        return _compiled(spec, layout, lhs, rhs, w, key)
 
     @run.def_vmap
     def batched(size: int, in_batched: Any, lhs: Array, rhs: Array, w: Array, key):
