@@ -13,8 +13,8 @@ $$y = Q^{\mathrm{fwd}}_{x}(x)\, Q^{\mathrm{fwd}}_{w}(w) \quad (\text{along } K),
 \bar w = Q^{\mathrm{dw}}_{x}(x)^\top Q^{\mathrm{dw}}_{\bar y}(\bar y)
 \quad (\text{along } M).$$
 
-Each product is evaluated by one function, `_evaluate`, from its [`Product`][
-eqxrules.recipes.Product] and its layout (`FORWARD`, `INPUT_GRADIENT`,
+Each product is evaluated by one function, `_evaluate`, from its
+[`Product`][eqxrules.recipes.Product] and its layout (`FORWARD`, `INPUT_GRADIENT`,
 `WEIGHT_GRADIENT`: which axis of each stored operand it reduces).
 
 Under `jax.vmap`, a product whose batch operand is mapped runs once on the whole
@@ -162,9 +162,7 @@ def _raise(*args: Any, message: str, shape: tuple[int, ...]) -> Any:
 # is evaluated or compiled, not when it is traced.
 _shape_error = Primitive("quantized_dot_shape_error")
 _shape_error.def_impl(_raise)
-_shape_error.def_abstract_eval(
-    lambda _, *, message, shape: ShapedArray(shape, _F32)
-)
+_shape_error.def_abstract_eval(lambda _, *, message, shape: ShapedArray(shape, _F32))
 mlir.register_lowering(_shape_error, _raise)
 
 
@@ -321,9 +319,9 @@ def quantized_dot(
     precision JAX's default); the value has the dtype of `x · w`, each cotangent its
     primal's.
 
-    A recipe made only of `None` quantisers ([`recipes.identity`][
-    eqxrules.recipes.identity]) gives `jnp.dot` and its VJP bit for bit on float32
-    inputs.
+    A recipe made only of `None` quantisers
+    ([`recipes.identity`][eqxrules.recipes.identity]) gives `jnp.dot` and its VJP
+    bit for bit on float32 inputs.
 
     **Arguments:**
 

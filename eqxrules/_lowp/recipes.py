@@ -3,8 +3,8 @@ products gets. Data only; [`quantized_dot`][eqxrules.quantized_dot] reads it.
 
 A recipe is immutable (an `eqx.Module` whose fields are static), validated when
 built, and changed with `dataclasses.replace`. Every recipe gives its three
-products, in the shape of AQT's config, through `products()`: a [`Custom`][
-eqxrules.recipes.Custom] with one [`Product`][eqxrules.recipes.Product] for each of
+products, in the shape of AQT's config, through `products()`: a
+[`Custom`][eqxrules.recipes.Custom] with one [`Product`][eqxrules.recipes.Product] for each of
 
 | product | value | operands (lhs, rhs) | reduced (blocked) along |
 |---|---|---|---|
@@ -64,8 +64,9 @@ class Product(eqx.Module):
 
     - `lhs`, `rhs`: the operands' quantisers: rules of eqxrules without array
         fields, elementwise ([`FloatQuantize`][eqxrules.FloatQuantize]) or blocked
-        ([`MXQuantize`][eqxrules.MXQuantize], [`NVFP4Quantize`][
-        eqxrules.NVFP4Quantize]: their `axis` is set to the reduced dimension);
+        ([`MXQuantize`][eqxrules.MXQuantize],
+        [`NVFP4Quantize`][eqxrules.NVFP4Quantize]: their `axis` is set to the
+        reduced dimension);
         `None` leaves the operand as it is.
     - `hadamard`: the block size $n$ (a power of two) of the random Hadamard
         transform applied to both operands before quantising, with one set of
