@@ -78,12 +78,14 @@ def test_adversarial_data_is_adversarial():
 
 
 def test_identity_recipe_is_jnp_dot_bit_for_bit():
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x, w, dy = (jnp.asarray(a, dtype) for a in _data("random"))
+        for jit in (False, True):
+            got = vjp(recipes.identity(), x, w, dy, jit=jit)
+            y, pull = jax.vjp(jnp.dot, x, w)
+            for a, b in zip(got, (y, *pull(dy))):
+                assert a.dtype == b.dtype and np.array_equal(a, b)
     x, w, dy = _data("random")
-    for jit in (False, True):
-        got = vjp(recipes.identity(), x, w, dy, jit=jit)
-        y, pull = jax.vjp(jnp.dot, x, w)
-        for a, b in zip(got, (y, *pull(dy))):
-            assert a.dtype == b.dtype and np.array_equal(a, b)
     # Under `vmap`, example by example, as a layer sees it.
     xs = x.reshape(64, 64)
 

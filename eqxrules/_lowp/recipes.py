@@ -280,7 +280,7 @@ def nvfp4() -> NVFP4:
 
 def identity() -> Custom:
     """A recipe that quantises nothing: [`quantized_dot`][eqxrules.quantized_dot]
-    with it is `jnp.dot`, value and VJP, bit for bit on float32."""
+    with it is `jnp.dot`, value and VJP, bit for bit (tested on the CPU)."""
     return Custom()
 
 
