@@ -18,7 +18,9 @@ many bit patterns round up:
    key; beyond $\\pm$max they saturate, NaN stays NaN;
 3. a statistical smoke test over keys, with a stated false-fail rate;
 4. keys (same key, same draw eagerly, under `jit` and `vmap`; other keys, other
-   draws; none, a clear error), the derivative, and the layers.
+   draws; none, a clear error), the derivative, and the layers;
+5. the situations of `tests/test_matrix.py` (`vmap`, `scan`, `checkpoint`, ...)
+   on the stochastic examples, which that file leaves to their first example.
 
 Each check has planted defects beside it that make it fail.
 """
@@ -35,6 +37,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ENTRIES, examples as catalogue_examples
+from matrix import inputs, modes, transforms  # noqa: F401  (register the situations)
+from matrix.harness import BF16, F16, SITUATIONS, Case
 
 import eqxrules
 from eqxrules._rules._formats import (
@@ -665,3 +670,37 @@ def test_quantize_with_stochastic_quantisers_needs_a_key():
     mlp = eqxrules.quantize(eqx.nn.MLP(8, 4, 8, 1, key=k1), **_sr_kernel_and_input())
     with pytest.raises(TypeError, match="needs a PRNG key"):
         mlp(x, key=jax.random.key(1))
+
+
+# -- the transformation matrix, on the stochastic examples --------------------------
+# `tests/test_matrix.py` runs most situations on each entry's first example only
+# (rounding to nearest, here): these cells run them on the stochastic examples.
+
+
+def _stochastic_cells():
+    cells = []
+    for entry in ENTRIES:
+        for index, rule in enumerate(catalogue_examples(entry)):
+            if getattr(rule, "rounding", None) != "stochastic":
+                continue
+            for s in SITUATIONS.values():
+                chosen = s.examples(entry)
+                if not chosen or index in chosen:  # not applicable, or run already
+                    continue
+                cells += [
+                    pytest.param(
+                        entry,
+                        index,
+                        s.name,
+                        dtype,
+                        id=f"{entry.name}-{index}-{s.name}-{dtype}",
+                        marks=[pytest.mark.slow] if dtype in (BF16, F16) else [],
+                    )
+                    for dtype in s.dtypes
+                ]
+    return cells
+
+
+@pytest.mark.parametrize("entry,index,situation,dtype", _stochastic_cells())
+def test_stochastic_examples_through_the_matrix(entry, index, situation, dtype):
+    SITUATIONS[situation].run(Case(entry, index), dtype)

@@ -360,7 +360,8 @@ class MXQuantize(_Blocked):
 
     summary: ClassVar[str] = (
         "OCP MX: blocks of block_size along axis share the scale "
-        "X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)); derivative `t`"
+        "X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)), nearest or "
+        "unbiased stochastic (`rounding`); derivative `t`"
     )
     functional_name: ClassVar[str] = "mx_quantize"
 
@@ -448,7 +449,8 @@ class NVFP4Quantize(_Blocked):
 
     summary: ClassVar[str] = (
         "NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3("
-        "amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)); derivative `t`"
+        "amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or "
+        "unbiased stochastic (`rounding`); derivative `t`"
     )
     functional_name: ClassVar[str] = "nvfp4_quantize"
 
