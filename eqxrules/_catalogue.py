@@ -210,11 +210,17 @@ class Rule(eqx.Module):
         hyperparameter of the first example."""
         return invalid_constructions(cls.examples(key)[0])
 
+    def needs_key(self) -> bool:
+        """Whether this instance draws random numbers, and so must be called with
+        `key=`. By default, whether `primal` requires a `key`; a rule whose
+        hyperparameters decide it (`rounding="stochastic"`) takes `key=None` in
+        `primal` and overrides this."""
+        return _registry.key_parameter(type(self)) == "required"
+
     def call_kwargs(self, key: PRNGKeyArray) -> dict[str, Any]:
-        """Keyword arguments the checks pass on each call: a PRNG key for a rule
-        whose `primal` requires one."""
-        needs = _registry.key_parameter(type(self))
-        return {"key": key} if needs == "required" else {}
+        """Keyword arguments the checks pass on each call: a PRNG key for an
+        instance that needs one (`needs_key()`)."""
+        return {"key": key} if self.needs_key() else {}
 
     def is_exact(self) -> bool:
         """Whether this instance's derivative is the true one. Defaults to `exact`;
@@ -266,10 +272,9 @@ class Rule(eqx.Module):
     def _key_kwargs(self, key: PRNGKeyArray | None) -> dict[str, Any]:
         # Every rule accepts `key=` so that it can sit in `eqx.nn.Sequential` (which
         # passes one to each layer); only a rule whose `primal` takes it receives it.
-        need = _registry.key_parameter(type(self))
-        if need is None:
+        if _registry.key_parameter(type(self)) is None:
             return {}
-        if need == "required" and key is None:
+        if key is None and self.needs_key():
             raise TypeError(
                 f"`{self.rule_name()}` needs a PRNG key: call it as `m(x, key=key)`."
             )

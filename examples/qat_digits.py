@@ -23,13 +23,19 @@ row's trained model, per seed, quantised and evaluated without further training.
 Each row is one declarative `Row`: a name and the two quantisers. Adding a
 quantiser to the comparison is one line in `ROWS`.
 
-Run: `python examples/qat_digits.py [--quick]`. Needs the `examples` extra
-(`optax`, `scikit-learn`).
+Run: `python examples/qat_digits.py [--quick | --record]`. Needs the `examples` extra
+(`optax`, `scikit-learn`). `--record` (full mode) also writes the figures, with when
+and where they were measured, to `qat_digits.json` beside this file: the README's
+tables are generated from it (`python scripts/update_readme.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
+import os
+import pathlib
 import sys
 import time
 from typing import Any
@@ -225,5 +231,43 @@ def _cell(accs: list[float]) -> str:
     return f"{np.mean(accs):.1%}{spread}"
 
 
+RECORD = pathlib.Path(__file__).with_suffix(".json")
+
+
+def record(results: dict, load_before: float) -> dict:
+    """The figures of a full run, as `qat_digits.json` keeps them: per row (in
+    `ROWS` order) the test accuracy of each seed, trained and, for a `ptq` row,
+    post-training; and the run's wall time (compilation included), date, load
+    average and versions."""
+    return dict(
+        command="python examples/qat_digits.py --record",
+        date=datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC"
+        ),
+        load_average=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+        versions={
+            "jax": jax.__version__,
+            "equinox": eqx.__version__,
+            "optax": optax.__version__,
+            "eqxrules": eqxrules.__version__,
+        },
+        seconds=round(results["seconds"], 1),
+        rows=[
+            dict(
+                name=row.name,
+                trained=results[row.name]["accuracies"],
+                post_training=results[row.name].get("ptq"),
+            )
+            for row in ROWS
+        ],
+    )
+
+
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    if "--record" in sys.argv:
+        load_before = os.getloadavg()[0]
+        figures = record(main(), load_before)
+        RECORD.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"wrote {RECORD}")
+    else:
+        main(quick="--quick" in sys.argv)

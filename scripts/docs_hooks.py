@@ -60,7 +60,9 @@ def gallery_markdown() -> str:
     ]
     for e in eqxrules.catalogue():
         cls = e.module.__name__
-        lines += [f"## `{e.name}`", "", e.summary, ""]
+        # The section heading carries the rule's name as its id, so `#ste_sign` (and
+        # a docstring's [`ste_sign`][]) lands on the whole section.
+        lines += [f"## `{e.name}` {{ #{e.name} }}", "", e.summary, ""]
         modes = " + ".join(
             m for m, on in (("jvp", e.forward_mode), ("vjp", True)) if on
         )
@@ -82,7 +84,7 @@ def gallery_markdown() -> str:
         # the `Rule` bases; here the class docstring holds the maths and the table
         # above the fields.
         lines += [anchor(cls), "", f"::: eqxrules.{cls}", _NO_MEMBERS, ""]
-        lines += [anchor(e.name), "", f"::: eqxrules.{e.name}", ""]
+        lines += [f"::: eqxrules.{e.name}", ""]
     return "\n".join(lines)
 
 
@@ -271,6 +273,137 @@ def on_files(files: Any, config: Any) -> Any:
     return files
 
 
+# What a reader of the built site must never meet. `on_post_build` checks every page,
+# so the build fails on it; tests/test_docs.py plants each defect in a page.
+
+# Signatures are wrapped (mkdocstrings' `line_length`, by ruff) to fit the page.
+SIGNATURE_WIDTH = 80
+_TAG = re.compile(
+    r"<(script|link|img|iframe|source|embed|object|video|audio)\b[^>]*>", re.I
+)
+_URL_ATTRIBUTE = re.compile(
+    r"""\b(src|href|data|srcset)\s*=\s*["']?\s*(https?:)?//""", re.I
+)
+# A `<link>` with one of these fetches what it names; `canonical` and the like do not.
+_FETCHING_LINKS = re.compile(
+    r"""\brel\s*=\s*["']?[^"'>]*\b(stylesheet|preload|modulepreload|preconnect|"""
+    r"""dns-prefetch|prefetch|icon|manifest)\b""",
+    re.I,
+)
+_CSS_URL = re.compile(r"""(url\(\s*["']?|@import\s+["'])\s*(https?:)?//""", re.I)
+_STYLE = re.compile(r"<style\b[^>]*>(.*?)</style>", re.I | re.S)
+_PARAGRAPH = re.compile(r"<p\b[^>]*>(.*?)</p>", re.S)
+_BASES = re.compile(r'<p class="doc doc-class-bases">(.*?)</p>', re.S)
+_SIGNATURE = re.compile(r'<div class="doc-signature highlight">(.*?)</div>', re.S)
+# `Union`, `Optional` or `Literal` without its arguments; a private name (a type
+# variable `_M`, a class `_Sign`); a path through a private module.
+_UNREADABLE = re.compile(
+    r"\b(Union|Optional|Literal)\b(?!\[)|(?<![\w.])_[A-Z]\w*|\b[A-Za-z]\w*\._\w+"
+)
+
+
+def _text(html_fragment: str) -> str:
+    import html
+
+    return html.unescape(re.sub(r"<[^>]+>", "", html_fragment))
+
+
+def _builtin_docstrings() -> list[str]:
+    """The first line of every built-in type's docstring ("Convert a string or
+    number to a floating point number, if possible.")."""
+    import builtins
+
+    lines = set()
+    for value in vars(builtins).values():
+        doc = inspect.getdoc(value) if isinstance(value, type) else None
+        if doc and len(doc.splitlines()[0]) >= 12:
+            lines.add(doc.splitlines()[0].strip())
+    return sorted(lines)
+
+
+def external_resources(html_text: str) -> list[str]:
+    """Every script, style sheet, font, image or frame the page (or a style in it)
+    loads from another host: offline, it would be missing."""
+    found = []
+    for m in _TAG.finditer(html_text):
+        tag = m.group(0)
+        if m.group(1).lower() == "link" and not _FETCHING_LINKS.search(tag):
+            continue
+        if _URL_ATTRIBUTE.search(tag):
+            found.append(tag)
+    for style in _STYLE.findall(html_text):
+        found += [f"<style> {m.group(0)}" for m in _CSS_URL.finditer(style)]
+    return found
+
+
+def stylesheet_resources(css: str) -> list[str]:
+    """Every `url(...)` or `@import` of a style sheet that names another host."""
+    return [m.group(0) for m in _CSS_URL.finditer(css)]
+
+
+def api_problems(html_text: str) -> list[str]:
+    """What the API reference must not show: a built-in's docstring standing in for
+    an attribute's, a private base, a signature with an unreadable or private
+    annotation, a signature line too long for the page."""
+    problems = []
+    leaks = _builtin_docstrings()
+    for paragraph in _PARAGRAPH.findall(html_text):
+        text = " ".join(_text(paragraph).split())
+        problems += [
+            f"a built-in's docstring: {text[:70]!r}"
+            for b in leaks
+            if text.startswith(b)
+        ]
+    for bases in _BASES.findall(html_text):
+        text = " ".join(_text(bases).split())
+        if _UNREADABLE.search(text.removeprefix("Bases:")):
+            problems.append(f"a private base: {text!r}")
+    for signature in _SIGNATURE.findall(html_text):
+        text = _text(signature)
+        if m := _UNREADABLE.search(text):
+            problems.append(
+                f"{m.group(0)!r} in the signature {' '.join(text.split())[:100]!r}"
+            )
+        long = [line for line in text.splitlines() if len(line) > SIGNATURE_WIDTH]
+        problems += [
+            f"a signature line of {len(line)} characters: {line[:60]!r}..."
+            for line in long
+        ]
+    return problems
+
+
+def anchor_problems(html_text: str, names: list[str]) -> list[str]:
+    """Each rule's name must be the id of its gallery section's heading (not of some
+    element within the section)."""
+    problems = []
+    for name in names:
+        m = re.search(rf"<(\w+)\b[^>]*\bid=\"{re.escape(name)}\"", html_text)
+        if m is None or m.group(1).lower() != "h2":
+            where = "nothing" if m is None else f"a <{m.group(1)}>"
+            problems.append(f"#{name} is {where}, not its section's heading")
+    return problems
+
+
+def site_problems(site: pathlib.Path) -> list[str]:
+    """Every problem of the built site at `site`, each with its page."""
+    import eqxrules
+
+    problems = []
+    for path in sorted(site.rglob("*")):
+        where = path.relative_to(site).as_posix()
+        if path.suffix == ".html":
+            text = path.read_text(encoding="utf-8")
+            problems += [f"{where}: loads {r}" for r in external_resources(text)]
+            problems += [f"{where}: {p}" for p in api_problems(text)]
+        elif path.suffix == ".css":
+            text = path.read_text(encoding="utf-8")
+            problems += [f"{where}: loads {r}" for r in stylesheet_resources(text)]
+    gallery = site / "gallery" / "index.html"
+    names = [e.name for e in eqxrules.catalogue()]
+    problems += [f"gallery: {p}" for p in anchor_problems(gallery.read_text(), names)]
+    return problems
+
+
 _guides: dict[pathlib.Path, subprocess.Popen[str]] = {}
 
 
@@ -293,6 +426,11 @@ def on_post_build(config: Any) -> None:
     failed = [f for f in failures if f is not None]
     if failed:
         raise PluginError("guides whose code fails:\n" + "\n\n".join(failed))
+    problems = site_problems(pathlib.Path(config["site_dir"]))
+    if problems:
+        raise PluginError(
+            f"the built site has {len(problems)} problems:\n" + "\n".join(problems)
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""The README's generated tables cannot drift from the code."""
+"""The README's generated tables cannot drift from the code, nor its and the
+benchmark report's figures from the runs that measured them."""
 
+import importlib.util
 import inspect
+import json
 import pathlib
 import re
 
@@ -8,7 +11,16 @@ import eqxrules
 from eqxrules import _cli
 from eqxrules.testing import check_rule
 
-README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _script(path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(f"readme_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _between(name: str) -> str:
@@ -50,3 +62,113 @@ def test_thirty_second_example_runs():
     namespace: dict = {}
     exec(code.split("```", 1)[0], namespace)
     assert namespace["report"].passed
+
+
+# `examples/qat_digits.py`'s figures: both README tables come from one recorded run.
+
+
+def _qat_figures() -> dict:
+    return json.loads((ROOT / "examples" / "qat_digits.json").read_text())
+
+
+def test_qat_table_is_the_recorded_run():
+    """Regenerate with `python scripts/update_readme.py [--figures]`."""
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    assert _between("qat-table") == update.qat_table(_qat_figures())
+
+
+def test_examples_row_of_qat_digits_is_the_recorded_run():
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    rows = [ln for ln in README.splitlines() if ln.startswith("| `qat_digits.py` |")]
+    assert rows == [update.qat_example_row(_qat_figures())]
+
+
+def test_the_recorded_run_is_a_full_run_of_every_row(load_example):
+    # A row added to the example, or a quick run recorded, makes the figures stale.
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    example = load_example("qat_digits")
+    figures = _qat_figures()
+    assert [r["name"] for r in figures["rows"]] == [row.name for row in example.ROWS]
+    for r, row in zip(figures["rows"], example.ROWS):
+        assert len(r["trained"]) == 3, row.name
+        assert (r["post_training"] is not None) == row.ptq, row.name
+        assert row.name in update.QAT_LABELS
+
+
+def test_the_two_readme_tables_agree():
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    assert update.qat_disagreements(README) == []
+
+
+def test_disagreement_check_catches_the_0_2_0_readme():
+    # Planted defect: 0.2.0's README, whose QAT table said 97.3% for 4-bit LSQ and
+    # whose examples row said 97.1%.
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    table = README.split("<!-- qat-table:begin -->\n", 1)[1].split("\n<!--", 1)[0]
+    lsq4 = next(ln for ln in table.splitlines() if ln.startswith("| LSQ, 4-bit"))
+    old = README.replace(
+        lsq4,
+        "| LSQ, 4-bit weights (per channel) and inputs | — | 97.3% (96.9%, 97.8%) |",
+    )
+    row = next(ln for ln in old.splitlines() if ln.startswith("| `qat_digits.py` |"))
+    old = old.replace(row, re.sub(r"LSQ W4A4 [\d.]+%", "LSQ W4A4 97.1%", row))
+    (problem,) = update.qat_disagreements(old)
+    assert "LSQ W4A4 97.1%" in problem and "LSQ W4A4 97.3%" in problem
+
+
+# `benchmarks/RESULTS.md`: rendered from RESULTS.json, which measured this catalogue.
+
+
+def _results() -> dict:
+    return json.loads((ROOT / "benchmarks" / "RESULTS.json").read_text())
+
+
+def test_benchmark_report_is_its_json_rendered():
+    """Re-render with `python -m benchmarks --render`."""
+    from benchmarks.cli import render
+
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == render(_results())
+
+
+def catalogue_disagreements(results: dict) -> list[str]:
+    """Where the benchmark figures were measured on another catalogue than today's."""
+    names = [e.name for e in eqxrules.catalogue()]
+    problems = []
+    for section, figures in results.items():
+        rows = figures.get("rows") if isinstance(figures, dict) else None
+        if isinstance(rows, list) and rows and "entry" in rows[0]:
+            measured = {row["entry"] for row in rows}
+            if measured != set(names):
+                problems.append(
+                    f"{section}: measured {len(measured)} rules, not the catalogue's "
+                    f"{len(names)} (differ: {sorted(measured ^ set(names))}; run "
+                    f"`python -m benchmarks --only {section} --merge` again)"
+                )
+    cli = results["suite"]["cli"]["last_line"]
+    m = re.match(r"(\d+)/(\d+) rules passed", cli)
+    if m is None or int(m.group(2)) != len(names):
+        problems.append(
+            f"suite: `python -m eqxrules` said {cli!r}; the catalogue has "
+            f"{len(names)} rules (run `python -m benchmarks --suite --only suite "
+            "--merge` again)"
+        )
+    return problems
+
+
+def test_benchmark_figures_are_of_this_catalogue():
+    assert catalogue_disagreements(_results()) == []
+
+
+def test_catalogue_check_catches_a_report_of_another_catalogue():
+    # Planted defect: 0.2.0's suite section ("23/23 rules passed") and an overhead
+    # section missing a rule.
+    results = _results()
+    results["suite"]["cli"]["last_line"] = (
+        "23/23 rules passed (43 checked examples, 29.3s): passed"
+    )
+    results["overhead"]["rows"] = [
+        row for row in results["overhead"]["rows"] if row["entry"] != "ste_sign"
+    ]
+    problems = catalogue_disagreements(results)
+    assert any(p.startswith("overhead:") and "ste_sign" in p for p in problems)
+    assert any(p.startswith("suite:") and "'23/23 rules passed" in p for p in problems)

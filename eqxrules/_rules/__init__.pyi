@@ -97,22 +97,22 @@ def pact_quantize(x: Float[ArrayLike, '*shape'], alpha: float | Array, *, bits: 
 round(clip(x, 0, α)·n/α)·α/n with n = 2^bits − 1, α learned; derivative `t·[0 <= x < α]`, α's `[x >= α]` (PACT)."""
 
 
-def float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', scale: float = 1.0) -> Float[Array, '*shape']:
-    """Functional form of [`FloatQuantize`][]: `float_quantize(x, *, format='e4m3', scale=1.0)`.
+def float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', scale: float = 1.0, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`FloatQuantize`][]: `float_quantize(x, *, format='e4m3', scale=1.0, rounding='nearest', key=None)`.
 
-scale·round_fmt(clip(x/scale, ±max)) to FP8/FP6/FP4 (e4m3, e5m2, e3m2, e2m3, e2m1), ties to even; derivative `t·[|x/scale| <= max]`."""
-
-
-def mx_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e2m1', block_size: int = 32, axis: int = -1) -> Float[Array, '*shape']:
-    """Functional form of [`MXQuantize`][]: `mx_quantize(x, *, format='e2m1', block_size=32, axis=-1)`.
-
-OCP MX: blocks of block_size along axis share the scale X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)); derivative `t`."""
+scale·round_fmt(clip(x/scale, ±max)) to FP8/FP6/FP4 (e4m3, e5m2, e3m2, e2m3, e2m1), ties to even or unbiased stochastic (`rounding`); derivative `t·[|x/scale| <= max]`."""
 
 
-def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, block_size: int = 16, axis: int = -1) -> Float[Array, '*shape']:
-    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, block_size=16, axis=-1)`.
+def mx_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e2m1', block_size: int = 32, axis: int = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`MXQuantize`][]: `mx_quantize(x, *, format='e2m1', block_size=32, axis=-1, rounding='nearest', key=None)`.
 
-NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3(amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)); derivative `t`."""
+OCP MX: blocks of block_size along axis share the scale X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
+
+
+def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, block_size: int = 16, axis: int = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, block_size=16, axis=-1, rounding='nearest', key=None)`.
+
+NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3(amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
 
 
 def straight_through(x: ArrayLike, *, forward: Callable[[Array], PyTree], surrogate: Callable[[Array], PyTree]) -> PyTree:

@@ -10,6 +10,14 @@ from the float32 bits (exact, unlike `log2`), and `jnp.round` (half to even) rou
 $y$ to a multiple of that spacing. Multiplying by a power of two is exact, so the
 result is the format's nearest value, ties to the even mantissa, subnormals kept: the
 same bits as `ml_dtypes`' cast (the tests check every bfloat16 and float16 input).
+
+Stochastic rounding (`stochastic_round_to`) uses the same spacing: with
+$v = \lvert y \rvert \cdot 2^{-k}$ the magnitude in units of the spacing and
+$f = v - \lfloor v \rfloor$ (both exact in float32), the magnitude rounds up iff
+$j < 2^{24} f$, where $j$ is the top 24 of 32 random bits. Both sides of that
+comparison are exact, so $P(\text{up}) = \lceil 2^{24} f \rceil / 2^{24}$ exactly.
+The sign is put back afterwards. `stochastic_floor` is the part that knows nothing
+of float formats, for any grid of unit spacing (an integer grid, say).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, PRNGKeyArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +96,53 @@ def round_to(fmt: Format, y: Array) -> Array:
     return jnp.round(y * pow2(-k)) * pow2(k)
 
 
+RESOLUTION = 24
+"""Random bits per element that stochastic rounding reads: the top 24 of 32."""
+
+
+def random_bits(key: PRNGKeyArray, shape: tuple[int, ...]) -> Array:
+    """The uint32 random bits stochastic rounding reads, one word per element of
+    `shape`: `jax.random.bits(key, shape, jnp.uint32)`."""
+    return jax.random.bits(key, shape, jnp.uint32)
+
+
+def stochastic_floor(v: Array, bits: Array, resolution: int = RESOLUTION) -> Array:
+    r"""$\lfloor v \rfloor + [\,j < 2^R (v - \lfloor v \rfloor)\,]$ for a float32
+    `v` >= 0 (or NaN, which stays NaN), with $j$ the top $R$ = `resolution` bits of
+    the uint32 `bits`: `v` rounded down or up to an integer, up with probability
+    $\lceil 2^R f \rceil / 2^R$ for uniform bits, where $f = v - \lfloor v \rfloor$.
+
+    Exact: $f$ is (Sterbenz: $\lfloor v \rfloor \le v \le 2\lfloor v \rfloor$
+    for $v \ge 1$), and so are $2^R f$ and $j < 2^R$, so the comparison is; the
+    probability exceeds $f$ by less than $2^{-R}$, and by nothing where $2^R f$ is
+    an integer. An integer `v` ($f = 0$) never moves. (Not for negative `v`: there
+    $v - \lfloor v \rfloor$ may round; round the magnitude and put the sign back.)
+    A `resolution` other than `RESOLUTION` is for tests that enumerate every $j$."""
+    lo = jnp.floor(v)
+    j = (bits >> (32 - resolution)).astype(jnp.float32)
+    return lo + (j < (v - lo) * float(2**resolution))
+
+
+def stochastic_round_to(
+    fmt: Format, y: Array, bits: Array, resolution: int = RESOLUTION
+) -> Array:
+    r"""`y` rounded stochastically to one of the two values of `fmt` around it, by
+    the uint32 `bits` (one word per element, e.g. `random_bits(key, y.shape)`): up
+    in magnitude with probability $\lceil 2^{24} f \rceil / 2^{24}$, $f$ the
+    fraction of the way from the lower to the upper magnitude, the sign kept (so
+    the same bits round `-y` to minus what they round `y` to). Subnormals of the
+    format are kept; a value of the format stays itself; `y` must be within
+    $\pm$`fmt.max` (then so is the upper value), or NaN, which stays NaN."""
+    k = jnp.maximum(exponent(y), fmt.emin) - fmt.mbits
+    v = stochastic_floor(jnp.abs(y) * pow2(-k), bits, resolution)
+    return jnp.copysign(v * pow2(k), y)
+
+
+def round_with(fmt: Format, y: Array, bits: Array | None) -> Array:
+    """`round_to` where `bits` is `None`, else `stochastic_round_to` with `bits`."""
+    return round_to(fmt, y) if bits is None else stochastic_round_to(fmt, y, bits)
+
+
 def divide(a: Array, b: Array | float) -> Array:
     """`a / b` correctly rounded. XLA rewrites a division by a scalar broadcast
     (a constant or not) into a multiplication by its reciprocal, which is up to an
@@ -109,6 +164,28 @@ def reference_round_to(fmt: Format, y: Array) -> Array:
     pick = jnp.where((down < up) | ((down == up) & even), lo, hi)
     pick = jnp.where(a >= grid[-1], grid[-1], pick)
     return jnp.where(jnp.isnan(y), y, jnp.copysign(pick, y))
+
+
+def reference_stochastic_round_to(fmt: Format, y: Array, bits: Array) -> Array:
+    r"""An independent `stochastic_round_to`: the format's values around
+    $\lvert y \rvert$, $L \le \lvert y \rvert < U$, found by a search of the list
+    of its values; up iff $u < (\lvert y \rvert - L)/(U - L)$, where
+    $u = j \cdot 2^{-24}$ for the top 24 bits $j$ (every step exact in float32)."""
+    grid = jnp.asarray(fmt.magnitudes(), jnp.float32)
+    a = jnp.abs(y)
+    i = jnp.clip(jnp.searchsorted(grid, a, side="right") - 1, 0, len(grid) - 2)
+    lo, hi = grid[i], grid[i + 1]
+    u = (bits >> (32 - RESOLUTION)).astype(jnp.float32) * 2.0**-RESOLUTION
+    pick = jnp.where(u < (a - lo) / (hi - lo), hi, lo)
+    return jnp.where(jnp.isnan(y), y, jnp.copysign(pick, y))
+
+
+def reference_round_with(fmt: Format, y: Array, bits: Array | None) -> Array:
+    """`reference_round_to` where `bits` is `None`, else
+    `reference_stochastic_round_to` with `bits`."""
+    if bits is None:
+        return reference_round_to(fmt, y)
+    return reference_stochastic_round_to(fmt, y, bits)
 
 
 def ties(fmt: Format, count: int = 3) -> list[float]:

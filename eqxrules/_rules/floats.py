@@ -14,11 +14,20 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._catalogue import Domain, JVPRule, check_axis, check_float_array
-from .._hyper import Check, at_least, axis_index, hyperparameter, integer, positive
+from .._hyper import (
+    Check,
+    at_least,
+    axis_index,
+    hyperparameter,
+    integer,
+    one_of,
+    positive,
+)
 from ._elementwise import _Elementwise, masked_identity
 from ._formats import (
     FORMAT_NAMES,
@@ -26,8 +35,11 @@ from ._formats import (
     divide,
     exponent,
     pow2,
+    random_bits,
     reference_round_to,
+    reference_round_with,
     round_to,
+    round_with,
     ties,
 )
 
@@ -38,7 +50,30 @@ element_format = Check(
     bad=("e4m4", "E4M3"),
     after=(_string,),
 )
+rounding_mode = dataclasses.replace(one_of("nearest", "stochastic"), after=(_string,))
 _F32 = jnp.float32
+
+
+def _key(rule: Any, key: PRNGKeyArray | None) -> PRNGKeyArray:
+    # The rule's call has checked it (`needs_key`); here for `primal` called bare.
+    if key is None:
+        raise TypeError(f"`{rule.rule_name()}` needs a PRNG key (`key=`).")
+    return key
+
+
+def _bits(rule: Any, x: Array, key: PRNGKeyArray | None) -> Array | None:
+    """The random bits `rule` rounds `x` with (see [`FloatQuantize`][]), or `None`
+    to round to nearest."""
+    if rule.rounding == "nearest":
+        return None
+    return random_bits(_key(rule, key), x.shape)
+
+
+def _reference_bits(rule: Any, x: Array, key: PRNGKeyArray | None) -> Array | None:
+    """The references' bits, drawn as documented (not by `_bits`)."""
+    if rule.rounding == "nearest":
+        return None
+    return jax.random.bits(_key(rule, key), jnp.shape(x), jnp.uint32)
 
 
 def fixed(value: int, why: str) -> Check:
@@ -71,6 +106,30 @@ class FloatQuantize(_Elementwise):
     saturates to $\pm s M$. The derivative is selected, not multiplied: where
     $\lvert u \rvert > M$ (or $u$ is NaN) it is exactly 0.
 
+    **Stochastic rounding** (`rounding="stochastic"`; also for [`MXQuantize`][]
+    and [`NVFP4Quantize`][]). The rule must then be called with `key=` (without
+    one it is a `TypeError`). Each $u$ in $[-M, M]$ goes to one of the two values
+    of the format around it, $L \le u \le U$, with
+
+    $$P(q = sU) = \frac{\lceil 2^{24} f \rceil}{2^{24}}, \qquad
+    f = \frac{u - L}{U - L}, \qquad \text{so} \quad
+    \mathbb{E}[\operatorname{round}_{\mathrm{fmt}}(u)] = u + \delta,\
+    0 \le \delta < 2^{-24} (U - L)$$
+
+    on the magnitude, the sign put back ($L$, $U$ are the values around
+    $\lvert u \rvert$; the same key rounds $-x$ to minus what it rounds $x$ to).
+    The resolution is 24 random bits per element: element $i$ rounds up iff
+    $j_i < 2^{24} f$, with $j_i$ the top 24 bits of
+    `jax.random.bits(key, x.shape, jnp.uint32)[i]`, compared exactly in float32.
+    $2^{24} f$ is an integer, so $\delta = 0$, for every $\lvert u \rvert$ of at
+    least half the format's smallest subnormal; below that $q$ is 0 or that
+    subnormal. A value of the format ($f = 0$) stays itself with probability 1,
+    beyond $\pm M$ the value saturates to $\pm sM$, and NaN stays NaN. The
+    statement is about $u$: it is $x/s$ rounded once to float32 (exact where $s$ is
+    a power of two), and $sL$, $sU$ are rounded to the output's dtype as with
+    rounding to nearest. The same key gives the same draw, eagerly and under
+    `jit`; different keys give independent draws. The derivative is the same.
+
     | `format` | dtype semantics | largest value $M$ | smallest subnormal |
     |---|---|---|---|
     | `"e4m3"` | `float8_e4m3fn` | 448 | $2^{-9}$ |
@@ -83,6 +142,9 @@ class FloatQuantize(_Elementwise):
 
     - `format`: the element format, by its OCP name (above).
     - `scale`: $s$, finite and positive.
+    - `rounding`: `"nearest"` (ties to even) or `"stochastic"` (above).
+
+    At call: `key`, a PRNG key, needed only with `rounding="stochastic"`.
 
     !!! Example
 
@@ -94,11 +156,17 @@ class FloatQuantize(_Elementwise):
 
     format: str = hyperparameter("e4m3", element_format)
     scale: float = hyperparameter(1.0, positive)
+    rounding: str = hyperparameter("nearest", rounding_mode)
 
     summary: ClassVar[str] = (
         "scale·round_fmt(clip(x/scale, ±max)) to FP8/FP6/FP4 (e4m3, e5m2, e3m2, "
-        "e2m3, e2m1), ties to even; derivative `t·[|x/scale| <= max]`"
+        "e2m3, e2m1), ties to even or unbiased stochastic (`rounding`); "
+        "derivative `t·[|x/scale| <= max]`"
     )
+
+    def needs_key(self) -> bool:
+        """`True` with `rounding="stochastic"`: then called with `key=`."""
+        return self.rounding == "stochastic"
 
     def _fmt_and_u(self, x: Array) -> tuple[Any, Array]:
         w = x.astype(_F32)
@@ -116,7 +184,14 @@ class FloatQuantize(_Elementwise):
             type(self).domain, low=-r, high=r, kinks=tuple(self.kinks())
         )
 
-    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    def primal(
+        self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*shape"]:
+        return self._with_bits(x, _bits(self, x, key))
+
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+        """The value, rounding stochastically with `bits` (one uint32 per element of
+        `x`), or to nearest where `bits` is `None`."""
         fmt, u = self._fmt_and_u(x)
         # Clipping selects with the mask, so XLA computes the mask once, in the
         # forward pass, and keeps that boolean for the backward pass. (Written as
@@ -124,7 +199,7 @@ class FloatQuantize(_Elementwise):
         # backward pass from `u`, keeping the float alive: 1.37x the temp bytes of
         # the `stop_gradient` trick in the quantised MLP.)
         inside = self.slope(x)
-        q = round_to(fmt, jnp.where(inside, u, jnp.clip(u, -fmt.max, fmt.max)))
+        q = round_with(fmt, jnp.where(inside, u, jnp.clip(u, -fmt.max, fmt.max)), bits)
         scale = float(self.scale)
         return (q if scale == 1 else q * scale).astype(x.dtype)
 
@@ -132,20 +207,28 @@ class FloatQuantize(_Elementwise):
         fmt, u = self._fmt_and_u(x)
         return (u >= -fmt.max) & (u <= fmt.max)
 
-    def reference_forward(self, x: Array) -> Array:
+    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         fmt = FORMATS[self.format]
         u = divide(x.astype(_F32), float(self.scale))
         big = jnp.where(u > 0, fmt.max, -fmt.max).astype(_F32)
         y = jnp.where(jnp.abs(u) > fmt.max, big, u)
-        return (reference_round_to(fmt, y) * float(self.scale)).astype(x.dtype)
+        q = reference_round_with(fmt, y, _reference_bits(self, x, key))
+        return (q * float(self.scale)).astype(x.dtype)
 
-    def reference_derivative(self, x: Array) -> Array:
+    def reference_derivative(
+        self, x: Array, *, key: PRNGKeyArray | None = None
+    ) -> Array:
         u = divide(x.astype(_F32), float(self.scale))
         return masked_identity(x, ~(jnp.abs(u) > FORMATS[self.format].max) & (u == u))
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[FloatQuantize]:
-        return [cls(), cls(format="e2m1", scale=0.25), cls(format="e3m2", scale=3.0)]
+        return [
+            cls(),
+            cls(format="e2m1", scale=0.25),
+            cls(format="e3m2", scale=3.0),
+            cls(format="e4m3", scale=3.0, rounding="stochastic"),
+        ]
 
 
 def _to_blocks(x: Array, axis: int, size: int) -> Array:
@@ -204,8 +287,24 @@ class _Blocked(JVPRule):
         (t,) = t_args
         return t
 
-    def reference_derivative(self, x: Array) -> Array:
+    def reference_derivative(
+        self, x: Array, *, key: PRNGKeyArray | None = None
+    ) -> Array:
         return x
+
+    def needs_key(self) -> bool:
+        """`True` with `rounding="stochastic"`: then called with `key=`."""
+        return getattr(self, "rounding") == "stochastic"
+
+    def primal(
+        self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*shape"]:
+        return self._with_bits(x, _bits(self, x, key))
+
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+        """The value, rounding the elements stochastically with `bits` (one uint32
+        per element of `x`), or to nearest where `bits` is `None`."""
+        raise NotImplementedError
 
 
 class MXQuantize(_Blocked):
@@ -241,6 +340,10 @@ class MXQuantize(_Blocked):
         `"e2m3"` (MXFP6), `"e2m1"` (MXFP4).
     - `block_size`: elements per block, a positive integer (32 in the spec).
     - `axis`: the axis the blocks run along.
+    - `rounding`: `"nearest"` (ties to even) or `"stochastic"`: each $b_i / X$
+        rounded stochastically as in [`FloatQuantize`][] (unbiased, 24 random
+        bits, `key=` needed at call); the scales $X$ are those of rounding to
+        nearest.
 
     !!! Example
 
@@ -253,25 +356,29 @@ class MXQuantize(_Blocked):
     format: str = hyperparameter("e2m1", element_format)
     block_size: int = hyperparameter(32, at_least(1, integer))
     axis: int = hyperparameter(-1, axis_index)
+    rounding: str = hyperparameter("nearest", rounding_mode)
 
     summary: ClassVar[str] = (
         "OCP MX: blocks of block_size along axis share the scale "
-        "X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)); derivative `t`"
+        "X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)), nearest or "
+        "unbiased stochastic (`rounding`); derivative `t`"
     )
     functional_name: ClassVar[str] = "mx_quantize"
 
-    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
         amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
         k = jnp.clip(exponent(amax) - fmt.emax, -127, 127)
-        q = round_to(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max))
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, self.block_size)
+        q = round_with(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max), bits)
         # `2^k` in two steps: `2^-127` is subnormal, which XLA may flush to zero.
         out = q * pow2(k + 1) * 0.5
         out = jnp.where(jnp.isfinite(amax), out, jnp.nan)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
 
-    def reference_forward(self, x: Array) -> Array:
+    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
         amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
@@ -279,13 +386,20 @@ class MXQuantize(_Blocked):
         k = jnp.clip(e - 1 - fmt.emax, -127, 127)
         y = jnp.ldexp(b, -k)
         y = jnp.where(y > fmt.max, fmt.max, jnp.where(y < -fmt.max, -fmt.max, y))
-        out = jnp.ldexp(reference_round_to(fmt, y), k)
+        bits = _reference_bits(self, x, key)
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, self.block_size)
+        out = jnp.ldexp(reference_round_with(fmt, y, bits), k)
         out = jnp.where(jnp.isnan(amax) | (amax == jnp.inf), jnp.nan, out)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[MXQuantize]:
-        return [cls(), cls(format="e4m3", block_size=4, axis=0)]
+        return [
+            cls(),
+            cls(format="e4m3", block_size=4, axis=0),
+            cls(format="e3m2", block_size=8, rounding="stochastic"),
+        ]
 
 
 class NVFP4Quantize(_Blocked):
@@ -316,6 +430,10 @@ class NVFP4Quantize(_Blocked):
     - `block_size`: 16, fixed by the format (any other value is a `ValueError`;
         declared so that NVFP4 is built like [`MXQuantize`][]).
     - `axis`: the axis the blocks run along.
+    - `rounding`: `"nearest"` (ties to even) or `"stochastic"`: each $b_i / d$
+        rounded stochastically as in [`FloatQuantize`][] (unbiased, 24 random
+        bits, `key=` needed at call), as NVIDIA's recipe rounds gradients; the
+        scales $t$ and $d$ are those of rounding to nearest.
 
     !!! Example
 
@@ -327,14 +445,16 @@ class NVFP4Quantize(_Blocked):
 
     block_size: int = hyperparameter(16, fixed(16, "the NVFP4 format fixes it"))
     axis: int = hyperparameter(-1, axis_index)
+    rounding: str = hyperparameter("nearest", rounding_mode)
 
     summary: ClassVar[str] = (
         "NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3("
-        "amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)); derivative `t`"
+        "amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or "
+        "unbiased stochastic (`rounding`); derivative `t`"
     )
     functional_name: ClassVar[str] = "nvfp4_quantize"
 
-    def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
         t = divide(jnp.max(jnp.abs(w), initial=0.0), 448.0 * 6)
@@ -342,12 +462,14 @@ class NVFP4Quantize(_Blocked):
         a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
         s = round_to(e4m3, jnp.clip(divide(divide(a, 6.0), t), 0.0, 448.0))
         d = t * s
-        q = round_to(e2m1, jnp.clip(divide(b, d), -6.0, 6.0)) * d
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, self.block_size)
+        q = round_with(e2m1, jnp.clip(divide(b, d), -6.0, 6.0), bits) * d
         q = jnp.where(s > 0, q, b * 0)
         q = jnp.where(jnp.isfinite(t), q, jnp.nan)
         return _from_blocks(q, self.axis, x).astype(x.dtype)
 
-    def reference_forward(self, x: Array) -> Array:
+    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
         b = _to_blocks(w, self.axis, 16)
@@ -360,7 +482,15 @@ class NVFP4Quantize(_Blocked):
         d = t * s
         y = divide(b, d)
         y = jnp.where(y > 6.0, 6.0, jnp.where(y < -6.0, -6.0, y))
+        bits = _reference_bits(self, x, key)
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, 16)
         live = s > 0  # false where s is 0, or NaN (an all-zero array: t = 0)
-        out = jnp.where(live, reference_round_to(e2m1, y) * d, jnp.zeros_like(b) * b)
+        q = reference_round_with(e2m1, y, bits) * d
+        out = jnp.where(live, q, jnp.zeros_like(b) * b)
         out = jnp.where(jnp.isnan(t) | (t == jnp.inf), jnp.nan, out)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[NVFP4Quantize]:
+        return [cls(), cls(rounding="stochastic")]
