@@ -1,21 +1,7 @@
 r"""Training recipes: which quantiser each operand of each of a linear layer's three
-products gets. Data only; [`quantized_dot`][eqxrules.quantized_dot] reads it.
-
-A recipe is immutable (an `eqx.Module` whose fields are static), validated when
-built, and changed with `dataclasses.replace`. Every recipe gives its three
-products, in the shape of AQT's config, through `products()`: a
-[`Custom`][eqxrules.recipes.Custom] with one [`Product`][eqxrules.recipes.Product] for each of
-
-| product | value | operands (lhs, rhs) | reduced (blocked) along |
-|---|---|---|---|
-| `fwd` | $y = x\,w$ | $x$, $w$ | $K$ |
-| `dx` | $\bar x = \bar y\,w^\top$ | $\bar y$, $w$ | $N$ |
-| `dw` | $\bar w = x^\top \bar y$ | $x$, $\bar y$ | the batch $M$ |
-
-The named schemes ([`MXFP8`][eqxrules.recipes.MXFP8], [`FP8`][eqxrules.recipes.FP8],
-[`NVFP4`][eqxrules.recipes.NVFP4]) are Transformer Engine's, each technique a field
-that can be turned off.
-"""
+products gets. Data only; [`quantized_dot`][eqxrules.quantized_dot] reads it through
+`products()`. The public face, with the table of the products, is
+`eqxrules.recipes`."""
 
 from __future__ import annotations
 
@@ -27,8 +13,7 @@ import jax.tree_util as jtu
 
 from .._catalogue import Rule
 from .._hyper import Check, at_least, check_fields, hyperparameter, integer, one_of
-from .._registry import key_parameter
-from .._rules.floats import MXQuantize, NVFP4Quantize, element_format
+from .._rules.floats import FloatQuantize, MXQuantize, NVFP4Quantize, element_format
 
 
 def _is_quantizer(v: Any) -> bool:
@@ -150,18 +135,15 @@ def block_lengths(product: Product) -> list[tuple[str, int]]:
 
 def reads_key(products: Custom) -> list[str]:
     """The parts of `products` that draw random numbers, as `"dw.hadamard"`,
-    `"dx.lhs (stochastic rounding)"`: empty if none needs a key."""
+    `"dx.lhs"`: empty if none needs a key."""
     parts = []
     for name in ("fwd", "dx", "dw"):
         p: Product = getattr(products, name)
-        for side in ("lhs", "rhs"):
-            q = getattr(p, side)
-            if q is None:
-                continue
-            if getattr(q, "rounding", "nearest") == "stochastic":
-                parts.append(f"{name}.{side} (stochastic rounding)")
-            elif key_parameter(type(q)) == "required":
-                parts.append(f"{name}.{side} ({type(q).__name__})")
+        parts += [
+            f"{name}.{side}"
+            for side, q in (("lhs", p.lhs), ("rhs", p.rhs))
+            if q is not None and q.needs_key()
+        ]
         if p.hadamard is not None:
             parts.append(f"{name}.hadamard")
     return parts
@@ -194,6 +176,33 @@ class MXFP8(Recipe):
         """Every operand in MX blocks along its product's reduced dimension."""
         q = MXQuantize(format=self.format, block_size=self.block_size)
         g = MXQuantize(format=self.gradient_format, block_size=self.block_size)
+        return Custom(fwd=Product(q, q), dx=Product(g, q), dw=Product(q, g))
+
+
+class FP8(Recipe):
+    r"""FP8 training with current scaling (Transformer Engine's
+    `Float8CurrentScaling`, its `HYBRID` formats): every operand of every product
+    in [`FloatQuantize`][eqxrules.FloatQuantize] with `scale="amax"`, one float32
+    scale per tensor from its current largest magnitude, rounding to nearest. A
+    per-tensor scale is the same whichever dimension a product reduces, so $x$ is
+    quantised alike in the forward and weight-gradient products.
+
+    **Arguments:**
+
+    - `format`: the element format of $x$ and $w$, `"e4m3"` by default.
+    - `gradient_format`: that of $\bar y$, `"e5m2"` by default (its range).
+    """
+
+    format: str = hyperparameter("e4m3", element_format)
+    gradient_format: str = hyperparameter("e5m2", element_format)
+
+    def __check_init__(self) -> None:
+        check_fields(self, "FP8")
+
+    def products(self) -> Custom:
+        """Every operand scaled by its own tensor's amax."""
+        q = FloatQuantize(format=self.format, scale="amax")
+        g = FloatQuantize(format=self.gradient_format, scale="amax")
         return Custom(fwd=Product(q, q), dx=Product(g, q), dw=Product(q, g))
 
 
@@ -245,7 +254,7 @@ class NVFP4(Recipe):
     def products(self) -> Custom:
         """The three products of Transformer Engine's NVFP4 recipe."""
         a = NVFP4Quantize()
-        g = _rounded(NVFP4Quantize(), self.gradient_rounding)
+        g = NVFP4Quantize(rounding=self.gradient_rounding)
         w = NVFP4Quantize(axis=(0, 1)) if self.square_weight_blocks else a
         return Custom(
             fwd=Product(a, w),
@@ -254,20 +263,16 @@ class NVFP4(Recipe):
         )
 
 
-def _rounded(q: Any, rounding: str) -> Any:
-    return (
-        q if rounding == "nearest" else type(q)(**{**_fields(q), "rounding": rounding})
-    )
-
-
-def _fields(q: Any) -> dict[str, Any]:
-    return {f: getattr(q, f) for f in q.__dataclass_fields__}
-
-
 def mxfp8() -> MXFP8:
     """[`MXFP8`][eqxrules.recipes.MXFP8] with its defaults: E4M3 elements in blocks
     of 32 with E8M0 scales, rounding to nearest."""
     return MXFP8()
+
+
+def fp8() -> FP8:
+    """[`FP8`][eqxrules.recipes.FP8] with its defaults: one float32 scale per
+    tensor from its current amax, E4M3 for $x$ and $w$, E5M2 for gradients."""
+    return FP8()
 
 
 def nvfp4() -> NVFP4:
@@ -285,11 +290,13 @@ def identity() -> Custom:
 
 
 __all__ = [
+    "FP8",
     "MXFP8",
     "NVFP4",
     "Custom",
     "Product",
     "Recipe",
+    "fp8",
     "identity",
     "mxfp8",
     "nvfp4",

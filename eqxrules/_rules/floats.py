@@ -11,6 +11,7 @@ below about $2^{-100}$), may come out as a zero of the same sign."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from .._hyper import (
     integer,
     one_of,
     positive,
+    real,
 )
 from ._elementwise import _Elementwise, masked_identity
 from ._formats import (
@@ -51,7 +53,31 @@ element_format = Check(
     after=(_string,),
 )
 rounding_mode = dataclasses.replace(one_of("nearest", "stochastic"), after=(_string,))
+_real_or_amax = Check(
+    'be a real number or "amax"',
+    lambda v, m: v == "amax" or real.holds(v, m),
+    TypeError,
+    ("2", True),
+)
+scale_or_amax = Check(
+    'be finite and positive, or "amax"',
+    lambda v, m: v == "amax" or positive.holds(v, m),
+    bad=(0.0, -1.0, float("nan"), float("inf")),
+    after=(_real_or_amax,),
+)
+pair_of_axes = Check(
+    "be an int, or a pair of ints (16x16 blocks over both axes)",
+    lambda v, m: (
+        axis_index.holds(v, m)
+        or (
+            isinstance(v, tuple) and len(v) == 2 and all(integer.holds(a, m) for a in v)
+        )
+    ),
+    TypeError,
+    (1.5, (0,), (0, 1, 2), (0, "1")),
+)
 _F32 = jnp.float32
+_SMALLEST_NORMAL = 2.0**-126
 
 
 def _key(rule: Any, key: PRNGKeyArray | None) -> PRNGKeyArray:
@@ -74,6 +100,11 @@ def _reference_bits(rule: Any, x: Array, key: PRNGKeyArray | None) -> Array | No
     if rule.rounding == "nearest":
         return None
     return jax.random.bits(_key(rule, key), jnp.shape(x), jnp.uint32)
+
+
+def _unit(s: Array | float) -> bool:
+    """Whether the scale is the constant 1 (then no division is traced)."""
+    return isinstance(s, float) and s == 1
 
 
 def fixed(value: int, why: str) -> Check:
@@ -141,7 +172,12 @@ class FloatQuantize(_Elementwise):
     **Arguments:**
 
     - `format`: the element format, by its OCP name (above).
-    - `scale`: $s$, finite and positive.
+    - `scale`: $s$, finite and positive; or `"amax"`, one scale for the whole
+        array from its current largest magnitude $A$ (Transformer Engine's current
+        scaling): $s = \max(A / M, 2^{-126})$ in float32, so that the largest
+        element goes to $\pm M$ (nothing is clipped but by the rounding of $s$)
+        and $s$ is never zero nor subnormal. The derivative is then $t$ everywhere,
+        $s$ held fixed. An infinity or NaN anywhere makes the whole output NaN.
     - `rounding`: `"nearest"` (ties to even) or `"stochastic"` (above).
 
     At call: `key`, a PRNG key, needed only with `rounding="stochastic"`.
@@ -155,7 +191,7 @@ class FloatQuantize(_Elementwise):
     """
 
     format: str = hyperparameter("e4m3", element_format)
-    scale: float = hyperparameter(1.0, positive)
+    scale: float | str = hyperparameter(1.0, scale_or_amax)
     rounding: str = hyperparameter("nearest", rounding_mode)
 
     summary: ClassVar[str] = (
@@ -168,17 +204,29 @@ class FloatQuantize(_Elementwise):
         """`True` with `rounding="stochastic"`: then called with `key=`."""
         return self.rounding == "stochastic"
 
-    def _fmt_and_u(self, x: Array) -> tuple[Any, Array]:
+    def _scale(self, w: Array) -> Array | float:
+        """$s$ for the float32 `w`: `scale`, or with `"amax"` the array's own."""
+        if self.scale != "amax":
+            return float(self.scale)
+        a = jnp.max(jnp.abs(w), initial=0.0)
+        s = jnp.maximum(divide(a, FORMATS[self.format].max), _SMALLEST_NORMAL)
+        return jnp.where(jnp.isinf(a), jnp.nan, s)
+
+    def _fmt_and_u(self, x: Array) -> tuple[Any, Array | float, Array]:
         w = x.astype(_F32)
-        scale = float(self.scale)
-        return FORMATS[self.format], (w if scale == 1 else divide(w, scale))
+        s = self._scale(w)
+        return FORMATS[self.format], s, (w if _unit(s) else divide(w, s))
 
     def kinks(self) -> tuple[float, ...]:
+        if self.scale == "amax":  # the grid moves with the array
+            return ()
         fmt, s = FORMATS[self.format], float(self.scale)
         near_one = 1 + 2.0 ** -(fmt.mbits + 1)
         return tuple(s * v for m in (fmt.max, near_one, *ties(fmt)) for v in (-m, m))
 
     def input_domain(self) -> Domain:
+        if self.scale == "amax":  # any range: the scale follows it
+            return type(self).domain
         r = 1.25 * FORMATS[self.format].max * float(self.scale)
         return dataclasses.replace(
             type(self).domain, low=-r, high=r, kinks=tuple(self.kinks())
@@ -192,32 +240,45 @@ class FloatQuantize(_Elementwise):
     def _with_bits(self, x: Array, bits: Array | None) -> Array:
         """The value, rounding stochastically with `bits` (one uint32 per element of
         `x`), or to nearest where `bits` is `None`."""
-        fmt, u = self._fmt_and_u(x)
+        fmt, s, u = self._fmt_and_u(x)
         # Clipping selects with the mask, so XLA computes the mask once, in the
         # forward pass, and keeps that boolean for the backward pass. (Written as
         # two comparisons: with `abs(u) <= max` XLA recomputed the mask in the
         # backward pass from `u`, keeping the float alive: 1.37x the temp bytes of
         # the `stop_gradient` trick in the quantised MLP.)
         inside = self.slope(x)
-        q = round_with(fmt, jnp.where(inside, u, jnp.clip(u, -fmt.max, fmt.max)), bits)
-        scale = float(self.scale)
-        return (q if scale == 1 else q * scale).astype(x.dtype)
+        clipped = jnp.clip(u, -fmt.max, fmt.max)
+        q = round_with(
+            fmt, clipped if inside is None else jnp.where(inside, u, clipped), bits
+        )
+        return (q if _unit(s) else q * s).astype(x.dtype)
 
-    def slope(self, x: Array) -> Array:
-        fmt, u = self._fmt_and_u(x)
+    def slope(self, x: Array) -> Array | None:
+        if self.scale == "amax":
+            return None
+        fmt, _, u = self._fmt_and_u(x)
         return (u >= -fmt.max) & (u <= fmt.max)
 
     def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         fmt = FORMATS[self.format]
-        u = divide(x.astype(_F32), float(self.scale))
+        w = x.astype(_F32)
+        if self.scale == "amax":
+            a = jnp.abs(w).max(initial=0.0)
+            r = divide(a, fmt.max)
+            s = jnp.where(a == jnp.inf, jnp.nan, jnp.where(r < 2.0**-126, 2.0**-126, r))
+        else:
+            s = float(self.scale)
+        u = divide(w, s)
         big = jnp.where(u > 0, fmt.max, -fmt.max).astype(_F32)
         y = jnp.where(jnp.abs(u) > fmt.max, big, u)
         q = reference_round_with(fmt, y, _reference_bits(self, x, key))
-        return (q * float(self.scale)).astype(x.dtype)
+        return (q * s).astype(x.dtype)
 
     def reference_derivative(
         self, x: Array, *, key: PRNGKeyArray | None = None
     ) -> Array:
+        if self.scale == "amax":
+            return x
         u = divide(x.astype(_F32), float(self.scale))
         return masked_identity(x, ~(jnp.abs(u) > FORMATS[self.format].max) & (u == u))
 
@@ -228,19 +289,31 @@ class FloatQuantize(_Elementwise):
             cls(format="e2m1", scale=0.25),
             cls(format="e3m2", scale=3.0),
             cls(format="e4m3", scale=3.0, rounding="stochastic"),
+            cls(format="e5m2", scale="amax"),
         ]
 
 
-def _to_blocks(x: Array, axis: int, size: int) -> Array:
+def _to_blocks(x: Array, axis: int | tuple[int, int], size: int) -> Array:
     """`x` with `axis` moved last and split into blocks of `size`: shape
-    `(..., n // size, size)`."""
-    x = jnp.moveaxis(x, axis, -1)
-    return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+    `(..., n // size, size)`. For two axes, blocks of `size` x `size` over both,
+    flattened: shape `(..., n0 // size, n1 // size, size * size)`."""
+    if isinstance(axis, int):
+        x = jnp.moveaxis(x, axis, -1)
+        return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+    x = jnp.moveaxis(x, axis, (-2, -1))
+    *lead, n0, n1 = x.shape
+    x = x.reshape(*lead, n0 // size, size, n1 // size, size).swapaxes(-3, -2)
+    return x.reshape(*lead, n0 // size, n1 // size, size * size)
 
 
-def _from_blocks(b: Array, axis: int, like: Array) -> Array:
-    moved = jnp.moveaxis(like, axis, -1).shape
-    return jnp.moveaxis(b.reshape(moved), -1, axis)
+def _from_blocks(b: Array, axis: int | tuple[int, int], like: Array) -> Array:
+    if isinstance(axis, int):
+        moved = jnp.moveaxis(like, axis, -1).shape
+        return jnp.moveaxis(b.reshape(moved), -1, axis)
+    *lead, n0, n1 = jnp.moveaxis(like, axis, (-2, -1)).shape
+    size = math.isqrt(b.shape[-1])
+    b = b.reshape(*lead, n0 // size, n1 // size, size, size).swapaxes(-3, -2)
+    return jnp.moveaxis(b.reshape(*lead, n0, n1), (-2, -1), axis)
 
 
 class _Blocked(JVPRule):
@@ -257,7 +330,14 @@ class _Blocked(JVPRule):
         axis = getattr(self, "axis")
         shape = tuple(jnp.shape(args[0]))
         check_axis(self.rule_name(), axis, shape, "x")
-        self.check_length(shape[axis], axis, f"`x` (shape {shape})")
+        axes = (axis,) if isinstance(axis, int) else axis
+        if len({a % len(shape) for a in axes}) < len(axes):
+            raise ValueError(
+                f"`{self.rule_name()}`: `axis` (={axis!r}) must name two different "
+                f"axes of `x` (shape {shape})."
+            )
+        for a in axes:
+            self.check_length(shape[a], a, f"`x` (shape {shape})")
 
     def check_length(self, length: int, axis: int, where: str) -> None:
         """A `ValueError` naming the rule, the block, `axis` and `where` unless the
@@ -274,6 +354,8 @@ class _Blocked(JVPRule):
         `where`): how `Quantized` puts weight and input blocks along a layer's
         reduction dimension."""
         self.check_length(length, axis, where)
+        if isinstance(getattr(self, "axis"), tuple):  # square blocks: both axes
+            return self
         return dataclasses.replace(self, axis=axis)  # pyright: ignore[reportCallIssue]
 
     def tangent(
@@ -425,11 +507,15 @@ class NVFP4Quantize(_Blocked):
     `axis` must be a multiple of 16 (else a `ValueError`). In [`Quantized`][] the
     blocks run along the layer's reduction dimension, as for [`MXQuantize`][].
 
+    With two axes, `axis=(0, 1)`, each block is a 16×16 square over both
+    (Transformer Engine's 2-D quantisation of weights): the same quantised
+    matrix whichever of its axes a product reduces.
+
     **Arguments:**
 
     - `block_size`: 16, fixed by the format (any other value is a `ValueError`;
         declared so that NVFP4 is built like [`MXQuantize`][]).
-    - `axis`: the axis the blocks run along.
+    - `axis`: the axis the blocks run along, or two axes for 16×16 blocks.
     - `rounding`: `"nearest"` (ties to even) or `"stochastic"`: each $b_i / d$
         rounded stochastically as in [`FloatQuantize`][] (unbiased, 24 random
         bits, `key=` needed at call), as NVIDIA's recipe rounds gradients; the
@@ -444,9 +530,11 @@ class NVFP4Quantize(_Blocked):
     """
 
     block_size: int = hyperparameter(16, fixed(16, "the NVFP4 format fixes it"))
-    axis: int = hyperparameter(-1, axis_index)
+    axis: int | tuple[int, int] = hyperparameter(-1, pair_of_axes)
     rounding: str = hyperparameter("nearest", rounding_mode)
 
+    # Room for 16×16 blocks (the examples' `axis=(0, 1)`).
+    domain: ClassVar[Domain] = Domain(shape=(16, 16))
     summary: ClassVar[str] = (
         "NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3("
         "amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or "
@@ -493,4 +581,4 @@ class NVFP4Quantize(_Blocked):
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[NVFP4Quantize]:
-        return [cls(), cls(rounding="stochastic")]
+        return [cls(), cls(rounding="stochastic"), cls(axis=(0, 1))]
