@@ -38,10 +38,10 @@ def gamma(n: int, u: float) -> float:
 
 
 def along(q: Any, axis: int) -> Any:
-    """The public quantiser `q` with its blocks along `axis` (an elementwise one as
-    it is)."""
-    if q is None or not hasattr(q, "axis"):
-        return q
+    """The public quantiser `q` with its blocks along `axis` (an elementwise one, or
+    one with square blocks, as it is)."""
+    if q is None or not hasattr(q, "axis") or isinstance(q.axis, tuple):
+        return q  # elementwise, or square blocks over both axes of a matrix
     return dataclasses.replace(q, axis=axis)
 
 
@@ -164,11 +164,18 @@ def data(kind: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 
 def product_bounds(qa, a_axis, qb, b_axis):
-    """`(lo, hi)`: every value the product of operands drawn between the two
-    neighbours given (`qa = (La, Ua)`, `qb = (Lb, Ub)`, elementwise) can take, term
-    by term."""
+    """`(lo, hi)`, float32: every value a float32 product of operands drawn between
+    the two neighbours given (`qa = (La, Ua)`, `qb = (Lb, Ub)`, elementwise) can
+    take: the sum's extremes term by term, widened by Higham's float32 bound on
+    the summation and rounded outwards to float32."""
     a = [np.moveaxis(np.asarray(v, np.float64), a_axis, -1) for v in qa]
     b = [np.moveaxis(np.asarray(v, np.float64), b_axis, 0) for v in qb]
-    # Each term a_k b_k at its four corners; the sum's extremes, term by term.
+    # Each term a_k b_k at its four corners.
     terms = np.stack([ai[:, :, None] * bj[None, :, :] for ai in a for bj in b])
-    return terms.min(0).sum(1), terms.max(0).sum(1)
+    k = terms.shape[2]
+    error = (gamma(k, U32) + gamma(k, U64)) * np.abs(terms).max(0).sum(1)
+    lo, hi = terms.min(0).sum(1) - error, terms.max(0).sum(1) + error
+    lo32, hi32 = lo.astype(np.float32), hi.astype(np.float32)
+    lo32 = np.where(lo32 > lo, np.nextafter(lo32, np.float32(-np.inf)), lo32)
+    hi32 = np.where(hi32 < hi, np.nextafter(hi32, np.float32(np.inf)), hi32)
+    return lo32, hi32

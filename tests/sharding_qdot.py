@@ -31,6 +31,8 @@ SR = eqxrules.StochasticRound()
 RECIPES = {
     "identity": recipes.identity(),
     "mxfp8": recipes.mxfp8(),
+    "fp8": recipes.fp8(),
+    "nvfp4": recipes.nvfp4(),
     "nvfp4_1d_nearest_rht": recipes.NVFP4(
         square_weight_blocks=False, gradient_rounding="nearest"
     ),

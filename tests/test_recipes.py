@@ -20,8 +20,7 @@ from eqxrules._hyper import invalid_constructions
 
 KEY = jax.random.key(3)
 MX = eqxrules.MXQuantize(format="e4m3", block_size=32)
-# Needs a key (its Hadamard transform) until stochastic rounding is in the formats.
-KEYED = recipes.NVFP4(square_weight_blocks=False, gradient_rounding="nearest")
+KEYED = recipes.nvfp4()  # stochastic rounding and a Hadamard transform: needs a key
 
 
 def test_mxfp8_is_every_operand_in_mx_blocks():
@@ -38,19 +37,40 @@ def test_mxfp8_is_every_operand_in_mx_blocks():
     )
 
 
+def test_nvfp4_is_transformer_engines_recipe():
+    nv, sr = eqxrules.NVFP4Quantize(), eqxrules.NVFP4Quantize(rounding="stochastic")
+    square = eqxrules.NVFP4Quantize(axis=(0, 1))
+    p = recipes.nvfp4().products()
+    assert (p.fwd.lhs, p.fwd.rhs, p.fwd.hadamard) == (nv, square, None)
+    assert (p.dx.lhs, p.dx.rhs, p.dx.hadamard) == (sr, square, None)
+    assert (p.dw.lhs, p.dw.rhs, p.dw.hadamard) == (nv, sr, 16)
+
+
 def test_nvfp4_parts_can_be_turned_off():
     nv = eqxrules.NVFP4Quantize()
-    off = recipes.NVFP4(
-        square_weight_blocks=False, gradient_rounding="nearest", hadamard=None
+    off = dataclasses.replace(
+        recipes.nvfp4(),
+        square_weight_blocks=False,
+        gradient_rounding="nearest",
+        hadamard=None,
     ).products()
     for product in (off.fwd, off.dx, off.dw):
         assert (product.lhs, product.rhs, product.hadamard) == (nv, nv, None)
-    assert KEYED.products().dw.hadamard == 16
-    assert recipes.nvfp4().hadamard == 16
+
+
+def test_fp8_is_current_scaling_per_tensor():
+    e4m3 = eqxrules.FloatQuantize(format="e4m3", scale="amax")
+    e5m2 = eqxrules.FloatQuantize(format="e5m2", scale="amax")
+    p = recipes.fp8().products()
+    assert ((p.fwd.lhs, p.fwd.rhs), (p.dx.lhs, p.dx.rhs), (p.dw.lhs, p.dw.rhs)) == (
+        (e4m3, e4m3),
+        (e5m2, e4m3),
+        (e4m3, e5m2),
+    )
 
 
 def test_recipes_are_immutable_static_data():
-    for r in (recipes.mxfp8(), KEYED, recipes.identity()):
+    for r in (recipes.mxfp8(), recipes.fp8(), KEYED, recipes.identity()):
         with pytest.raises(dataclasses.FrozenInstanceError):
             r.hadamard = None  # type: ignore[misc]
         assert jtu.tree_leaves(r) == []  # nothing for an optimiser or a tracer
@@ -130,7 +150,7 @@ def test_keyed_gives_each_layer_its_own_key_at_every_call():
 
 def test_a_recipe_that_draws_without_a_key_is_an_error():
     q = eqxrules.quantize(MLP, recipe=KEYED)
-    match = r"`QuantizedLinear`: its recipe draws random numbers \(dw.hadamard\)"
+    match = r"`QuantizedLinear`: its recipe draws random numbers \(dx.lhs, dw.rhs, dw.hadamard\)"
     with pytest.raises(TypeError, match=match):
         jax.vmap(q)(XS)
     with pytest.raises(TypeError, match=match):

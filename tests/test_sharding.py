@@ -94,7 +94,14 @@ def test_data_parallel_script_sets_its_own_devices():
     assert "loss matches the single-device run" in proc.stdout
 
 
-QDOT_RECIPES = ("identity", "mxfp8", "nvfp4_1d_nearest_rht", "stochastic_round")
+QDOT_RECIPES = (
+    "identity",
+    "mxfp8",
+    "fp8",
+    "nvfp4",
+    "nvfp4_1d_nearest_rht",
+    "stochastic_round",
+)
 PLANTED_QDOT = "planted_straddling_blocks"
 
 
