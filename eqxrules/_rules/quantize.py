@@ -22,7 +22,8 @@ from .._hyper import (
     integer,
 )
 from ._elementwise import _Elementwise, masked_identity, wide
-from ._exact import MAX_BITS, ge, le, quantize, reference_quantize, resolvable
+from ._exact import MAX_BITS, ge, le, reference_quantize, resolvable
+from ._paths import quantize
 
 
 def _reference_round(x: Array) -> Array:
