@@ -102,7 +102,7 @@ CA = "eqxrules/_rules/categorical.py"
 SG = "eqxrules/_rules/stop_gradient.py"
 GR = "eqxrules/_rules/gradient.py"
 SC = "eqxrules/_rules/scaled.py"
-EX = "eqxrules/_rules/_exact.py"
+PA = "eqxrules/_rules/_paths.py"
 EW = "eqxrules/_rules/_elementwise.py"
 CAT = "eqxrules/_catalogue.py"
 LE = "eqxrules/_rules/learned.py"
@@ -255,10 +255,10 @@ MUTATIONS = [
         "grid-x-minus-lo-first",
         "grid",
         "ste_quantize",
-        EX,
-        "level = _lookup(g.levels, grid_index(w, g, n))",
-        "level = (lo + (hi - lo) * (jnp.round((jnp.clip(w, lo, hi) - lo) * "
-        "(n / (hi - lo))) / n)).astype(x.dtype)",
+        PA,
+        "value = formula_value(w, path)[1]",
+        "value = lo + (hi - lo) * (jnp.round((jnp.clip(w, lo, hi) - lo) * "
+        "(n / (hi - lo))) / n)",
     ),
     # Multiply by a mask (or a zero slope) instead of selecting: 0 * inf is NaN.
     Mutation(

@@ -137,31 +137,26 @@ def _normal(*arrays: Any) -> bool:
     )
 
 
-def _models(
-    m: np.ndarray, hi: np.float32, lo: np.float32
-) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The rounded product `m·hi`, and every float32 value `_pair(m, hi, lo)` can
-    take for integer-valued `m` (the float64 products are exact): the multiply and
-    the add rounded each, or fused."""
+def _models(m: np.ndarray, hi: np.float32, lo: np.float32) -> list[np.ndarray]:
+    """Every float32 value `_pair(m, hi, lo)` can take for integer-valued `m` (the
+    float64 product is exact): the multiply and the add rounded each, or fused."""
     product = m * np.float64(hi)
     plain = product.astype(np.float32)
     if not lo:
-        return plain, [plain]
-    return plain, [_add32(plain.astype(np.float64), lo), _add32(product, lo)]
+        return [plain]
+    return [_add32(plain.astype(np.float64), lo), _add32(product, lo)]
 
 
-def _exact(m: np.ndarray, hi: np.float32, lo: np.float32, q: Fraction) -> Any:
-    """`_pair(m, hi, lo)` if a float32 holds it exactly for every `m`, else None.
-    With `hi`, `lo` multiples of `q` and `m` integers (or halves), it is a whole
-    number of `q`s (or of `q/2`s), held if there are fewer than 2^24 of them."""
-    halves = 1 if (m == np.floor(m)).all() else 2
-    whole = [Fraction(float(c)) / q for c in (hi, lo)]
-    if any(c.denominator != 1 for c in whole):
-        return None
-    units = (halves * m).astype(np.int64) * int(whole[0]) + halves * int(whole[1])
-    if np.abs(units).max() >= 2**24:
-        return None
-    return (units * float(q / halves)).astype(np.float32)
+def _sums(m: np.ndarray, a: tuple, b: tuple) -> list[np.ndarray]:
+    """Every float32 value `_pair(m, *a) + _pair(m, *b)` can take: a pair that is a
+    bare product (its `lo` is 0) may also be fused into the sum."""
+    xs, ys = _models(m, *a), _models(m, *b)
+    out = [_add32(x.astype(np.float64), y.astype(np.float64)) for x in xs for y in ys]
+    if not a[1]:
+        out += [_add32(m * np.float64(a[0]), y.astype(np.float64)) for y in ys]
+    if not b[1]:
+        out += [_add32(x.astype(np.float64), m * np.float64(b[0])) for x in xs]
+    return out
 
 
 def _after(v: np.ndarray) -> np.ndarray:
@@ -182,32 +177,81 @@ def _split(v: Fraction, q: Fraction) -> tuple[np.float32, np.float32]:
     return _f32(hi), _f32(v - hi)
 
 
+def proved(f: Formula, bits: int, lo: float, hi: float, out: Any) -> bool:
+    r"""Whether `formula_value(w, f)` is the exact level, rounded to `out`, for every
+    float32 `w` in `[lo, hi]` (subnormals may act as zero).
+
+    The estimate, shifted by `f.anchor`, is within 1/2 of the exact index
+    (`estimate_bound`), so for `t = floor(estimate)` the exact index is
+    $j = t + $ `f.anchor` or $j + 1$: past $T_j$ or not. Whether `w` is past is
+    monotone in `w` (`w - N_t` is rounded monotonically, `R_t` depends on `t`
+    only), so it is right for every `w` if it is not past at the last float32 not
+    past $T_j$ (`thresholds[j]` of the exact table, where a tie goes down for an
+    even $j$, up for an odd one) and past at the next; buckets -1 and $n$ hold only
+    inputs in `[lo, hi]`: past at the least float32 >= lo, not past at the
+    greatest <= hi. And for every index the value, rounded to `out`, must be
+    `levels[k]` of the exact table. Each is checked in NumPy for every model of
+    the multiply-adds (rounded each or fused: LLVM may contract any multiply into
+    the add that takes it), with no subnormal met (XLA may flush them)."""
+    out = jnp.dtype(out)
+    n, flo, fhi, _ = _fractions(bits, lo, hi)
+    scale = n / (fhi - flo)
+    estimate = (_f32(scale), _f32(-flo * scale - f.anchor))
+    if (f.scale, f.offset) != estimate or estimate_bound(
+        bits, lo, hi, jnp.float32, f.anchor
+    ) >= Fraction(1, 2):
+        return False
+    g = grid(bits, lo, hi, jnp.float32, out)
+    levels = np.asarray(g.levels)
+    if (f.lowest, f.highest) != (levels[0], levels[-1]):
+        return False
+    t = np.arange(-1 - f.anchor, n + 1 - f.anchor, dtype=np.float64)
+    u = np.arange(n + 1, dtype=np.float64) - f.u0
+    # The check points: not past at `w` where `want` is False, past where it is
+    # True; `at` is the bucket's position in `t`.
+    inner = np.arange(1, n + 1)
+    at = np.concatenate([inner, inner, [0, n + 1]])
+    ends = [round_to(flo, jnp.float32, "up"), round_to(fhi, jnp.float32, "down")]
+    w = np.concatenate([g.thresholds, _after(g.thresholds), ends]).astype(np.float32)
+    want = np.concatenate([np.zeros(n, bool), np.ones(n, bool), [True, False]])
+    strict = (at % 2 == 1) if f.tie == "even" else np.full(at.shape, f.tie == "down")
+    big, small = (
+        _models(t, f.step_hi, f.threshold_hi),
+        _models(t, f.step_lo, f.threshold_lo),
+    )
+    ds = [w - b[at] for b in big]
+    if not f.threshold_hi:  # `w - t·step_hi`, fused
+        ds.append(_add32(w.astype(np.float64), -t[at] * np.float64(f.step_hi)))
+    values = _sums(u, (f.step_hi, f.level_hi), (f.step_lo, f.level_lo))
+    products = [
+        (m * np.float64(c)).astype(np.float32)
+        for m in (t, u)
+        for c in (f.step_hi, f.step_lo)
+    ]
+    magnitude = np.abs(levels.astype(np.float32))
+    if ((magnitude != 0) & (magnitude < jnp.finfo(out).tiny)).any() or not _normal(
+        *f[:8], *big, *small, *ds, *values, *products
+    ):
+        return False
+    for d in ds:
+        for r in small:
+            if not (np.where(strict, d > r[at], d >= r[at]) == want).all():
+                return False
+    return all(v.astype(out).tobytes() == levels.tobytes() for v in values)
+
+
 @functools.lru_cache(maxsize=256)
 def formula(bits: int, lo: float, hi: float, out: Any) -> Formula | None:
-    r"""The float32 gather-free path of a grid, with its proof, or None.
+    r"""The float32 gather-free path of a grid, `proved`, or None.
 
-    Construction: the estimate of the index, shifted by an anchor $j_a$, is within
-    1/2 of the exact index (`estimate_bound`), so for `t = floor(estimate)` the
-    exact index is $j_a + t$ or one more: past $T_{j_a + t}$ or not. The anchor is
-    the threshold nearest 0, or the tie nearest it (a threshold a float32 holds,
-    such as 0 or 1/2 in the middle), and an input on a tie goes to the even index:
-    `>` if the tie's index is even, `>=` if odd, per bucket if the grid has several
-    ties. The step, $T_{j_a}$ and the level $L_{u_0}$ nearest 0 ($u_0$ an index or
-    a half) are pairs whose `hi` lie on a grid of $q$, a power of two, coarse
-    enough that every product with the `t` and `u` met is exact in float32.
-
-    Proof, for every bucket $j = -1, \dots, n$: whether `w` is past is monotone
-    in `w` (`w - N_t` is rounded monotonically, `R_t` depends on `t` only), so it
-    is right for every float32 `w` if it is not past at the last float32 not past
-    $T_j$ (`thresholds[j]` of the exact table) and past at the next one; the end
-    buckets hold only inputs in `[lo, hi]`: past at the least float32 >= lo for
-    bucket -1, not past at the greatest <= hi for bucket n. And for every index,
-    the value rounded to `out` is `levels[k]` of the exact table. Each is checked
-    in NumPy for every model of the multiply-adds (rounded each or fused: LLVM may
-    contract them), with no subnormal met (XLA may flush them); a grid whose
-    checks fail gets None. The estimate, and float32 compares and floors, are
-    exact or bounded whatever XLA fuses."""
-    out = jnp.dtype(out)
+    The anchor is the threshold nearest 0, or the tie nearest it (a threshold a
+    float32 holds, such as 0 or 1/2 in the middle), and an input on a tie goes to
+    the even index: `>` if the tie's index is even, `>=` if odd, per bucket if the
+    grid has several ties. The step, the anchor's threshold and the level $L_{u_0}$
+    nearest 0 ($u_0$ an index or a half) are pairs whose `hi` lie on a grid of
+    $q$, a power of two, coarse enough that their products with the integers met
+    are exact in float32 (so that rounding, fused or not, leaves them alone); the
+    finest $q$ whose formula is proved is taken."""
     n, flo, fhi, step = _fractions(bits, lo, hi)
     g = grid(bits, lo, hi, jnp.float32, out)
     ts = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
@@ -220,65 +264,28 @@ def formula(bits: int, lo: float, hi: float, out: Any) -> Formula | None:
     z = -flo / step  # the index of 0
     nearest = min(max(round(z - Fraction(1, 2)), 0), n - 1)
     anchor = min(ties, key=lambda j: abs(j - nearest)) if ties else nearest
-    tie = "even" if len(ties) > 1 else "up" if anchor % 2 and ties else "down"
+    tie = "even" if len(ties) > 1 else "up" if ties and anchor % 2 else "down"
     u0 = min(max(Fraction(round(2 * z), 2), Fraction(0)), Fraction(n))
-    if estimate_bound(bits, lo, hi, jnp.float32, anchor) >= Fraction(1, 2):
-        return None
-    t = np.arange(-1 - anchor, n + 1 - anchor, dtype=np.float64)
-    u = np.arange(n + 1, dtype=np.float64) - float(u0)
-    reach = Fraction(float(max(-t[0], t[-1], -u[0], u[-1])))
+    reach = max(anchor + 1, n + 1 - anchor, u0, n - u0)
     largest = max(abs(flo), abs(fhi), reach * step) + step
-    for coarser in range(3):  # the finest q whose products are exact
+    scale = n / (fhi - flo)
+    for coarser in range(3):
         q = Fraction(2) ** (_exponent(largest) - 23 + coarser)
-        sh, sl = _split(step, q)
-        th, tl = _split(ts[anchor], q)
-        lh, ll = _split(flo + u0 * step, q)
-        big, p = _exact(t, sh, th, q), _exact(u, sh, lh, q)
-        if big is not None and p is not None:
-            break
-    else:
-        return None
-    r_product, r = _models(t, sl, tl)
-    small_product, small = _models(u, sl, ll)
-    p64 = p.astype(np.float64)
-    values = [_add32(p64, v.astype(np.float64)) for v in small]
-    if not ll:  # LLVM may contract `u·step_lo` into the final add
-        values.append(_add32(p64, u * np.float64(sl)))
-    # Each bucket's check points: not past at `w` where `want` is False, past where
-    # it is True (`at` is the bucket's position in `t`).
-    inner = np.arange(1, n + 1)
-    at = np.concatenate([inner, inner, [0, n + 1]])
-    ends = [round_to(flo, jnp.float32, "up"), round_to(fhi, jnp.float32, "down")]
-    w = np.concatenate([g.thresholds, past, ends]).astype(np.float32)
-    want = np.concatenate([np.zeros(n, bool), np.ones(n, bool), [True, False]])
-    d = w - big[at]
-    strict = (at % 2 == 1) if tie == "even" else np.full(at.shape, tie == "down")
-    levels = np.asarray(g.levels)
-    magnitude = np.abs(levels.astype(np.float32))
-    if ((magnitude != 0) & (magnitude < jnp.finfo(out).tiny)).any() or not _normal(
-        sh, sl, th, tl, lh, ll, big, p, d, r_product, small_product, *r, *small, *values
-    ):
-        return None
-    for rt in r:
-        if not (np.where(strict, d > rt[at], d >= rt[at]) == want).all():
-            return None
-    if any(v.astype(out).tobytes() != levels.tobytes() for v in values):
-        return None
-    return Formula(
-        _f32(n / (fhi - flo)),
-        _f32(-flo * n / (fhi - flo) - anchor),
-        sh,
-        sl,
-        th,
-        tl,
-        lh,
-        ll,
-        anchor,
-        float(u0),
-        tie,
-        np.float32(levels[0]),
-        np.float32(levels[-1]),
-    )
+        f = Formula(
+            _f32(scale),
+            _f32(-flo * scale - anchor),
+            *_split(step, q),
+            *_split(ts[anchor], q),
+            *_split(flo + u0 * step, q),
+            anchor,
+            float(u0),
+            tie,
+            np.float32(g.levels[0]),
+            np.float32(g.levels[-1]),
+        )
+        if proved(f, bits, lo, hi, out):
+            return f
+    return None
 
 
 @functools.lru_cache(maxsize=256)
