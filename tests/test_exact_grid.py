@@ -417,3 +417,52 @@ def test_add32_rounds_once():
     ]
     np.testing.assert_array_equal(_paths._add32(x, y), np.asarray(want, np.float32))
     assert (x + y).astype(np.float32)[-1] != want[-1]
+
+
+_SHARDED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import eqxrules
+from eqxrules._rules import _exact
+assert eqxrules.__file__.startswith(sys.argv[2])  # this checkout's
+if sys.argv[1] == "plain":  # the planted defect: no `out_sharding`
+    _exact._lookup = lambda t, i: jnp.asarray(t).at[i].get(mode="clip")
+x = np.linspace(-0.5, 1.5, 64, dtype=np.float32).reshape(2, 32)
+step = jax.jit(jax.value_and_grad(
+    lambda x: eqxrules.ste_quantize(x, bits=13, lo=0.0, hi=1.0).sum()
+))
+mesh = jax.make_mesh((2,), ("batch",))
+got = step(jax.device_put(x, NamedSharding(mesh, P("batch"))))
+for a, b in zip(step(x), got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+"""
+
+
+def test_the_table_path_under_sharding_in_types():
+    """No catalogue example takes the table path any more, so `test_sharding.py`
+    does not meet its gather: a 13-bit grid on 2 simulated devices, the batch
+    sharded, equals one device; without `out_sharding` (the planted defect) the
+    gather raises."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    path = [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+    def run_script(mode):
+        return subprocess.run(
+            [sys.executable, "-c", _SHARDED, mode, root],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+
+    ok = run_script("out_sharding")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    plain = run_script("plain")
+    assert plain.returncode != 0 and "is not found in mesh" in plain.stderr
