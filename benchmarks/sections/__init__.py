@@ -12,6 +12,15 @@ A section module has:
   was not measured) and the whole results.
 """
 
-from . import checker, overhead, residuals, suite, throughput, trace, trick
+from . import (
+    checker,
+    exactness,
+    overhead,
+    residuals,
+    suite,
+    throughput,
+    trace,
+    trick,
+)
 
-SECTIONS = (overhead, trick, residuals, trace, checker, suite, throughput)
+SECTIONS = (overhead, trick, residuals, trace, checker, suite, throughput, exactness)
