@@ -198,3 +198,13 @@ def ge(x: Array, c: float) -> Array:
 def le(x: Array, c: float) -> Array:
     """`x <= c` for the exact number `c`, whatever `x`'s dtype."""
     return x <= round_to(Fraction(float(c)), x.dtype, "down")
+
+
+def within(x: Array, lo: float, hi: float) -> Array:
+    """`lo <= x <= hi` for exact `lo`, `hi` (as `ge` and `le`), written
+    `clip(x, ...) == x`: two operations, and where `lo` and `hi` are numbers of
+    `x`'s dtype the clip is the one a quantiser's value takes outside the range, so
+    XLA computes it once."""
+    a = round_to(Fraction(float(lo)), x.dtype, "up")
+    b = round_to(Fraction(float(hi)), x.dtype, "down")
+    return jnp.clip(x, a, b) == x

@@ -22,7 +22,7 @@ from .._hyper import (
     integer,
 )
 from ._elementwise import _Elementwise, masked_identity, wide
-from ._exact import MAX_BITS, ge, le, reference_quantize, resolvable
+from ._exact import MAX_BITS, ge, le, reference_quantize, resolvable, within
 from ._paths import quantize
 
 
@@ -156,7 +156,7 @@ class SteQuantize(_Elementwise):
         return quantize(x, self.bits, self.lo, self.hi, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return ge(x, self.lo) & le(x, self.hi)
+        return within(x, self.lo, self.hi)
 
     def reference_forward(self, x: Array) -> Array:
         return reference_quantize(x, self.bits, self.lo, self.hi)
@@ -208,7 +208,7 @@ class DoReFa(_Elementwise):
         return quantize(x, self.bits, 0.0, 1.0, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return ge(x, 0.0) & le(x, 1.0)
+        return within(x, 0.0, 1.0)
 
     def reference_forward(self, x: Array) -> Array:
         return reference_quantize(x, self.bits, 0.0, 1.0)
