@@ -110,12 +110,13 @@ class SteQuantize(_Elementwise):
     one comparison with its threshold. Threshold and level are a few multiply-adds
     on float32 constants that are checked when traced, against the exact values
     (computed with `fractions.Fraction`) of every threshold and level, rounded
-    separately or fused: no table, no gather, within 2x the plain formula's time.
-    A step $2^e$ with $\mathrm{lo}$ an even number of steps (such as
-    `lo = -2^{b-1}`, `hi = 2^{b-1} - 1`) takes `round(clip(x)/2^e)·2^e`, exact as
-    it is. A grid whose constants fail the check (some of 13 bits or more) and
-    float64 inputs read the levels from a table (a gather, slower on CPUs and
-    TPUs). Subnormal inputs may act as zero (XLA flushes them on CPU and GPU).
+    separately or fused: no table, no gather, within 2x the plain formula's time on
+    a CPU (section 7 of `benchmarks/RESULTS.md`). A step $2^e$ with $\mathrm{lo}$
+    an even number of steps (such as `lo = -2^{b-1}`, `hi = 2^{b-1} - 1`) takes
+    `round(clip(x)/2^e)·2^e`, exact as it is. A grid whose constants fail the check
+    (some of 13 bits or more) and float64 inputs read the levels from a table (a
+    gather, slower on CPUs and TPUs). Subnormal inputs may act as zero (XLA
+    flushes them on CPU and GPU).
 
     **No zero level by default.** $2^b$ levels on the symmetric $[-1, 1]$ are
     $\pm 1/n, \pm 3/n, \dots$: $0$ is the tie between $-1/n$ and $+1/n$ and goes
