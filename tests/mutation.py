@@ -103,7 +103,7 @@ CA = "eqxrules/_rules/categorical.py"
 SG = "eqxrules/_rules/stop_gradient.py"
 GR = "eqxrules/_rules/gradient.py"
 SC = "eqxrules/_rules/scaled.py"
-EX = "eqxrules/_rules/_exact.py"
+PA = "eqxrules/_rules/_paths.py"
 CAT = "eqxrules/_catalogue.py"
 LE = "eqxrules/_rules/learned.py"
 FMT = "eqxrules/_rules/_formats.py"
@@ -124,16 +124,16 @@ MUTATIONS = [
         "boundary",
         "ste_quantize",
         QU,
-        "return ge(x, self.lo) & le(x, self.hi)",
-        "return ge(x, self.lo) & (x < self.hi)",
+        "return within(x, self.lo, self.hi)",
+        "return within(x, self.lo, self.hi) & (x < self.hi)",
     ),
     Mutation(
         "boundary-dorefa-one",
         "boundary",
         "dorefa_quantize",
         QU,
-        "return ge(x, 0.0) & le(x, 1.0)",
-        "return ge(x, 0.0) & (x < 1)",
+        "return within(x, 0.0, 1.0)",
+        "return within(x, 0.0, 1.0) & (x < 1)",
     ),
     Mutation(
         "boundary-ternary-threshold",
@@ -255,10 +255,10 @@ MUTATIONS = [
         "grid-x-minus-lo-first",
         "grid",
         "ste_quantize",
-        EX,
-        "level = _lookup(g.levels, grid_index(w, g, n))",
-        "level = (lo + (hi - lo) * (jnp.round((jnp.clip(w, lo, hi) - lo) * "
-        "(n / (hi - lo))) / n)).astype(x.dtype)",
+        PA,
+        "value = formula_value(w, path)[1]",
+        "value = lo + (hi - lo) * (jnp.round((jnp.clip(w, lo, hi) - lo) * "
+        "(n / (hi - lo))) / n)",
     ),
     # Multiply by a mask (or a zero slope) instead of selecting: 0 * inf is NaN.
     Mutation(

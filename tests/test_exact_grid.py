@@ -17,7 +17,14 @@ threshold and the float either side of each. Subnormal bfloat16 inputs (float32
 subnormals, which XLA flushes) may act as zero; float16 subnormals are float32
 normals and get no such leave.
 
-The planted defect is the 0.1.0 formula, which computes `x - lo` first: it fails.
+Every grid is listed with the path it takes (`_paths`: dyadic, the proved float32
+formula, or the table), so that each path meets these inputs; float32 inputs are
+also run eagerly (one rounding per operation, where jitted XLA fuses multiply-adds).
+
+Planted defects: the 0.1.0 formula, which computes `x - lo` first; formulas the
+proof rejects (the split step dropped, a tie sent the wrong way) and the dyadic path
+on an odd `lo/step`, each forced and caught; a multiply-add model that leaves out
+fusion, which misses what XLA computes; and a sum rounded twice.
 """
 
 from __future__ import annotations
@@ -31,17 +38,29 @@ import numpy as np
 import pytest
 
 import eqxrules
-from eqxrules._rules._exact import grid, grid_index
+from eqxrules._rules import _paths
+from eqxrules._rules._exact import grid, grid_index, round_to
+from eqxrules._rules._paths import Dyadic, Formula, dyadic, formula, proved
 
-GRIDS = [
-    (8, -1.0, 1.0),
-    (2, -1.0, 1.0),
-    (8, 0.0, 1.0),
-    (2, 0.0, 1.0),
-    (3, -0.3, 0.7),  # asymmetric, neither end representable
-    (8, -0.5, 1.5),
-    (8, -127.5, 127.5),
-]
+# Each grid with the path it takes (see `eqxrules._rules._paths`) in float32.
+PATHS = {
+    (8, -1.0, 1.0): "formula",  # the default; one tie, at 0
+    (2, -1.0, 1.0): "formula",
+    (4, -1.0, 1.0): "formula",
+    (8, 0.0, 1.0): "formula",  # DoReFa; one tie, at 1/2
+    (2, 0.0, 1.0): "formula",
+    (4, 0.0, 1.0): "formula",
+    (3, -0.3, 0.7): "formula",  # asymmetric, neither end representable
+    (6, -0.7, 0.2): "formula",
+    (8, -0.5, 1.5): "formula",
+    (8, -127.5, 127.5): "formula",  # a tie at every threshold
+    (8, 0.0, 6.0): "formula",  # three ties, of both parities
+    (4, -7.0, 8.0): "formula",  # a power-of-two step, but lo/step odd
+    (8, -128.0, 127.0): "dyadic",
+    (4, 0.0, 15.0): "dyadic",
+    (13, 0.0, 1.0): "table",
+}
+GRIDS = list(PATHS)
 IDS = [f"{b}bits[{lo},{hi}]" for b, lo, hi in GRIDS]
 
 
@@ -243,3 +262,207 @@ def test_quantized_layer_weights_are_the_exact_levels():
     assert bad == {"index": 0, "ulp": 0, "nan": 0}
     old = run(old_quantize, x, 8, -1.0, 1.0)
     assert failures(x, old, 8, -1.0, 1.0, _flushable(x))["index"] > 0
+
+
+@pytest.mark.parametrize("out", [jnp.float32, jnp.bfloat16])
+def test_each_grid_takes_the_path_stated(out):
+    names = {Dyadic: "dyadic", Formula: "formula", type(None): "table"}
+    taken = {g: names[type(_paths.plan(*g, jnp.float32, out))] for g in PATHS}
+    assert taken == PATHS
+    assert _paths.plan(8, -1.0, 1.0, jnp.float64, jnp.float64) is None
+    ties = {g: formula(*g, out).tie for g, p in PATHS.items() if p == "formula"}
+    assert (ties[8, -1.0, 1.0], ties[8, 0.0, 1.0], ties[3, -0.3, 0.7]) == (
+        "up",
+        "up",
+        "down",
+    )
+    assert ties[8, -127.5, 127.5] == ties[8, 0.0, 6.0] == "even"
+
+
+QUANTISERS = {
+    "ste_quantize": lambda x, b, lo, hi: eqxrules.ste_quantize(x, bits=b, lo=lo, hi=hi),
+    "dorefa_quantize": lambda x, b, lo, hi: eqxrules.dorefa_quantize(x, bits=b),
+}
+F32_CASES = [("dorefa_quantize", b, 0.0, 1.0) for b in (2, 4, 8)] + [
+    ("ste_quantize", *g) for g in GRIDS
+]
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("name,bits,lo,hi", F32_CASES, ids=str)
+def test_float32_at_every_threshold_and_level_jitted_and_eager(
+    name, bits, lo, hi, mode
+):
+    """Every level and threshold, and the float32 either side of each: jitted (XLA
+    fuses multiply-adds on this CPU) and eager (one rounding per operation)."""
+    x = f32_points(bits, lo, hi)
+    f = QUANTISERS[name]
+    if mode == "jit":
+        out = run(f, x, bits, lo, hi)
+    else:
+        out = np.asarray(f(jnp.asarray(x), bits, lo, hi))
+    assert failures(x, out, bits, lo, hi, _flushable(x)) == {
+        "index": 0,
+        "ulp": 0,
+        "nan": 0,
+    }
+
+
+@pytest.mark.parametrize("inputs", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "bits,lo,hi", [g for g, p in PATHS.items() if p == "formula"], ids=str
+)
+def test_the_formula_index_is_exact(inputs, bits, lo, hi):
+    """The formula path's index, not only its value, over every input in range."""
+    x = INPUTS[inputs](bits, lo, hi)
+    xs = as_f64(x)
+    keep = (xs >= lo) & (xs <= hi) & ~_flushable(x)
+    w = jnp.asarray(x[keep]).astype(jnp.float32)
+    f = formula(bits, lo, hi, jnp.float32)
+    k = np.asarray(jax.jit(lambda w: _paths.formula_value(w, f)[0])(w))
+    np.testing.assert_array_equal(k, exact_index(xs[keep], bits, lo, hi))
+
+
+def _forced(path, name, x, bits, lo, hi, monkeypatch):
+    """The quantiser's output with `plan` forced to give `path`."""
+    with monkeypatch.context() as m:
+        m.setattr(_paths, "plan", lambda *args: path)
+        return run(QUANTISERS[name], x, bits, lo, hi)
+
+
+def test_the_proof_rejects_wrong_formulas_that_are_wrong(monkeypatch):
+    """Planted defects: DoReFa's 8-bit formula with the step, threshold and level
+    each one float32 (the split dropped), and with the tie at 1/2 sent down. The
+    proof rejects both, and each gives wrong levels where the test looks."""
+    f = formula(8, 0.0, 1.0, jnp.float32)
+    assert proved(f, 8, 0.0, 1.0, jnp.float32)
+    zero = np.float32(0)
+    unsplit = f._replace(
+        step_hi=np.float32(1 / 255),
+        step_lo=zero,
+        threshold_hi=np.float32(f.threshold_hi + f.threshold_lo),
+        threshold_lo=zero,
+        level_hi=np.float32(f.level_hi + f.level_lo),
+        level_lo=zero,
+    )
+    x = f32_points(8, 0.0, 1.0)
+    for wrong in (unsplit, f._replace(tie="down")):
+        assert not proved(wrong, 8, 0.0, 1.0, jnp.float32)
+        out = _forced(wrong, "dorefa_quantize", x, 8, 0.0, 1.0, monkeypatch)
+        bad = failures(x, out, 8, 0.0, 1.0, _flushable(x))
+        assert bad["index"] + bad["ulp"] > 0, wrong
+
+
+def test_the_dyadic_path_needs_an_even_lo(monkeypatch):
+    """`round(x / 2^e) * 2^e` sends ties to the even multiple of the step: the
+    even index only if `lo / 2^e` is even. `dyadic` takes only such grids, and the
+    planted defect, the dyadic path forced on `[-7, 8]`, sends ties to odd
+    indices."""
+    assert dyadic(8, -128.0, 127.0, jnp.float32) == Dyadic(-128.0, 127.0, 1.0, 1.0)
+    assert dyadic(2, 0.0, 0.375, jnp.float32) == Dyadic(0.0, 0.375, 8.0, 0.125)
+    for g in [(4, -7.0, 8.0), (8, -127.5, 127.5), (2, 0.0, 1.0), (8, -1.0, 1.0)]:
+        assert dyadic(*g, jnp.float32) is None, g
+    x = f32_points(4, -7.0, 8.0)
+    out = _forced(
+        Dyadic(-7.0, 8.0, 1.0, 1.0), "ste_quantize", x, 4, -7.0, 8.0, monkeypatch
+    )
+    assert failures(x, out, 4, -7.0, 8.0, _flushable(x))["index"] > 0
+
+
+def _pairs(seed: int):
+    """Integers `m` and float32 constants, drawn, for the multiply-add models."""
+    rng = np.random.default_rng(seed)
+    m = rng.integers(-300, 300, 4096).astype(np.float32)
+    c = rng.standard_normal(4).astype(np.float32)
+    return m, c
+
+
+def test_the_models_cover_what_xla_computes():
+    """Every value XLA gives `_pair` and a sum of two `_pair`s, jitted (fused on
+    this CPU) and eager (rounded each), is one the proof models; the planted defect,
+    the rounded-each model alone, misses jitted values."""
+    m, (a, b, c, _) = _pairs(0)
+    m64 = m.astype(np.float64)
+    for lo in (b, np.float32(0)):
+
+        def pair(m, a=a, lo=lo):
+            return _paths._pair(m, a, lo)
+
+        def total(m, lo=lo):
+            return _paths._pair(m, a, lo) + _paths._pair(m, c, lo)
+
+        for f, models in (
+            (pair, _paths._models(m64, a, lo)),
+            (total, _paths._sums(m64, (a, lo), (c, lo))),
+        ):
+            for got in (
+                np.asarray(jax.jit(f)(jnp.asarray(m))),
+                np.asarray(f(jnp.asarray(m))),
+            ):
+                assert np.any([got == v for v in models], axis=0).all()
+    fused = np.asarray(jax.jit(lambda m: _paths._pair(m, a, b))(jnp.asarray(m)))
+    rounded_each = ((m64 * a).astype(np.float32) + b).astype(np.float32)
+    assert (fused != rounded_each).any()
+
+
+def test_add32_rounds_once():
+    """`_add32` against `Fraction` arithmetic, on drawn sums and on a sum one float64
+    rounding puts on a float32 tie (the planted defect, rounding twice, fails it)."""
+    m, (a, b, _, _) = _pairs(1)
+    x, y = m.astype(np.float64) * np.float64(a), np.full(m.shape, np.float64(b))
+    x, y = np.append(x, 1 + 2.0**-24), np.append(y, 2.0**-80)
+    want = [
+        round_to(Fraction(float(p)) + Fraction(float(q)), jnp.float32)
+        for p, q in zip(x, y)
+    ]
+    np.testing.assert_array_equal(_paths._add32(x, y), np.asarray(want, np.float32))
+    assert (x + y).astype(np.float32)[-1] != want[-1]
+
+
+_SHARDED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import eqxrules
+from eqxrules._rules import _exact
+assert eqxrules.__file__.startswith(sys.argv[2])  # this checkout's
+if sys.argv[1] == "plain":  # the planted defect: no `out_sharding`
+    _exact._lookup = lambda t, i: jnp.asarray(t).at[i].get(mode="clip")
+x = np.linspace(-0.5, 1.5, 64, dtype=np.float32).reshape(2, 32)
+step = jax.jit(jax.value_and_grad(
+    lambda x: eqxrules.ste_quantize(x, bits=13, lo=0.0, hi=1.0).sum()
+))
+mesh = jax.make_mesh((2,), ("batch",))
+got = step(jax.device_put(x, NamedSharding(mesh, P("batch"))))
+for a, b in zip(step(x), got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+"""
+
+
+def test_the_table_path_under_sharding_in_types():
+    """No catalogue example takes the table path any more, so `test_sharding.py`
+    does not meet its gather: a 13-bit grid on 2 simulated devices, the batch
+    sharded, equals one device; without `out_sharding` (the planted defect) the
+    gather raises."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    path = [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+    def run_script(mode):
+        return subprocess.run(
+            [sys.executable, "-c", _SHARDED, mode, root],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+
+    ok = run_script("out_sharding")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    plain = run_script("plain")
+    assert plain.returncode != 0 and "is not found in mesh" in plain.stderr

@@ -12,6 +12,26 @@ A section module has:
   was not measured) and the whole results.
 """
 
-from . import checker, overhead, residuals, suite, throughput, trace, trick, unbiased
+from . import (
+    checker,
+    exactness,
+    overhead,
+    residuals,
+    suite,
+    throughput,
+    trace,
+    trick,
+    unbiased,
+)
 
-SECTIONS = (overhead, trick, residuals, trace, checker, suite, throughput, unbiased)
+SECTIONS = (
+    overhead,
+    trick,
+    residuals,
+    trace,
+    checker,
+    suite,
+    throughput,
+    exactness,
+    unbiased,
+)

@@ -4,10 +4,11 @@ A static grid (`bits`, `lo`, `hi` are Python numbers) has exactly known levels
 $L_k = \mathrm{lo} + k(\mathrm{hi} - \mathrm{lo})/n$ and decision thresholds
 $T_j = (L_j + L_{j+1})/2$. They are computed here with `fractions.Fraction` and
 rounded, exactly, into the dtype they are compared or returned in: small constant
-tables. At run time the level index is estimated in float32 (one multiply-add),
-then corrected by one comparison with a threshold from the table, so that it is the
-index nearest the exact input, ties to the even index, and the value is the exact
-level rounded once to the output dtype.
+tables. The table path (`grid_index`) estimates the level index in float32 (one
+multiply-add), then corrects it by one comparison with a threshold read from the
+table, so that it is the index nearest the exact input, ties to the even index, and
+reads the value, the exact level rounded once to the output dtype. `_paths` has the
+faster paths, and checks them against these tables.
 """
 
 from __future__ import annotations
@@ -97,13 +98,16 @@ def _fractions(bits: int, lo: float, hi: float):
     return n, flo, fhi, (fhi - flo) / n
 
 
-def estimate_bound(bits: int, lo: float, hi: float, compute: Any) -> Fraction:
-    """An upper bound on `|fl(fl(x·scale) + offset) - (x - lo)·n/(hi - lo)|` over
-    every `x` of `compute` from just below `lo` to just above `hi`, with each
-    operation rounded to nearest (or fused), and flushed subnormals."""
+def estimate_bound(
+    bits: int, lo: float, hi: float, compute: Any, shift: int = 0
+) -> Fraction:
+    """An upper bound on `|fl(fl(x·scale) + offset) - ((x - lo)·n/(hi - lo) - shift)|`
+    over every `x` of `compute` from just below `lo` to just above `hi`, with each
+    operation rounded to nearest (or fused), and flushed subnormals; `offset` is
+    `-lo·n/(hi - lo) - shift` rounded."""
     n, flo, fhi, _ = _fractions(bits, lo, hi)
     s = n / (fhi - flo)
-    o = -flo * s
+    o = -flo * s - shift
     s_f, o_f = Fraction(round_to(s, compute)), Fraction(round_to(o, compute))
     u = Fraction(1, 2 ** (int(jnp.finfo(compute).nmant) + 1))
     flush = Fraction(2) ** int(jnp.finfo(compute).minexp)
@@ -167,19 +171,6 @@ def grid_index(w: Array, g: Grid, n: int) -> Array:
     return j + above.astype(jnp.int32)
 
 
-def quantize(x: Array, bits: int, lo: float, hi: float, inside: Array) -> Array:
-    """`2**bits` levels from `lo` to `hi`, exactly. `inside` is `[lo <= x <= hi]`:
-    the value selects with it, so XLA computes it once, in the forward pass, and
-    keeps that boolean for the backward pass (which masks with it) instead of
-    keeping `x` alive to compute it again."""
-    n = 2**bits - 1
-    w = x.astype(wide(x.dtype))
-    g = grid(bits, float(lo), float(hi), w.dtype, x.dtype)
-    assert g.bound < Fraction(1, 2), (bits, lo, hi)
-    level = _lookup(g.levels, grid_index(w, g, n))
-    return jnp.where(inside | (x == x), level, x)
-
-
 def reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
     """Independently of `grid_index`: count the thresholds below `x` by binary
     search, then settle an exact tie by parity."""
@@ -207,3 +198,13 @@ def ge(x: Array, c: float) -> Array:
 def le(x: Array, c: float) -> Array:
     """`x <= c` for the exact number `c`, whatever `x`'s dtype."""
     return x <= round_to(Fraction(float(c)), x.dtype, "down")
+
+
+def within(x: Array, lo: float, hi: float) -> Array:
+    """`lo <= x <= hi` for exact `lo`, `hi` (as `ge` and `le`), written
+    `clip(x, ...) == x`: two operations, and where `lo` and `hi` are numbers of
+    `x`'s dtype the clip is the one a quantiser's value takes outside the range, so
+    XLA computes it once."""
+    a = round_to(Fraction(float(lo)), x.dtype, "up")
+    b = round_to(Fraction(float(hi)), x.dtype, "down")
+    return jnp.clip(x, a, b) == x

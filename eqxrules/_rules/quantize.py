@@ -22,7 +22,8 @@ from .._hyper import (
     integer,
 )
 from ._elementwise import _Elementwise, masked_identity, wide
-from ._exact import MAX_BITS, ge, le, quantize, reference_quantize, resolvable
+from ._exact import MAX_BITS, ge, le, reference_quantize, resolvable, within
+from ._paths import quantize
 
 
 def _reference_round(x: Array) -> Array:
@@ -101,14 +102,21 @@ class SteQuantize(_Elementwise):
     \mathrm{hi}) - \mathrm{lo}) / (\mathrm{hi} - \mathrm{lo})\big)}{n}, \qquad
     \dot q = t \cdot [\mathrm{lo} \le x \le \mathrm{hi}]$$
 
-    **Exact.** The level index is the one nearest the exact input (computed as
-    if in exact arithmetic), ties to the even index, for every input of every
-    floating dtype; the value is the exact level
+    **Exact, and as fast as the formula.** The level index is the one nearest the
+    exact input (computed as if in exact arithmetic), ties to the even index, for
+    every input of every floating dtype; the value is the exact level
     $\mathrm{lo} + k(\mathrm{hi} - \mathrm{lo})/n$ rounded once to the input's
-    dtype. The thresholds and levels are computed with `fractions.Fraction` when
-    traced (a constant table of $2^b$ levels), the index is estimated with one
-    float32 multiply-add and corrected with one comparison. Subnormal inputs may act
-    as zero (XLA flushes them on CPU and GPU).
+    dtype. The index is estimated with one float32 multiply-add and corrected with
+    one comparison with its threshold. Threshold and level are a few multiply-adds
+    on float32 constants that are checked when traced, against the exact values
+    (computed with `fractions.Fraction`) of every threshold and level, rounded
+    separately or fused: no table, no gather, within 2x the plain formula's time on
+    a CPU (section 7 of `benchmarks/RESULTS.md`). A step $2^e$ with $\mathrm{lo}$
+    an even number of steps (such as `lo = -2^{b-1}`, `hi = 2^{b-1} - 1`) takes
+    `round(clip(x)/2^e)·2^e`, exact as it is. A grid whose constants fail the check
+    (some of 13 bits or more) and float64 inputs read the levels from a table (a
+    gather, slower on CPUs and TPUs). Subnormal inputs may act as zero (XLA
+    flushes them on CPU and GPU).
 
     **No zero level by default.** $2^b$ levels on the symmetric $[-1, 1]$ are
     $\pm 1/n, \pm 3/n, \dots$: $0$ is the tie between $-1/n$ and $+1/n$ and goes
@@ -149,7 +157,7 @@ class SteQuantize(_Elementwise):
         return quantize(x, self.bits, self.lo, self.hi, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return ge(x, self.lo) & le(x, self.hi)
+        return within(x, self.lo, self.hi)
 
     def reference_forward(self, x: Array) -> Array:
         return reference_quantize(x, self.bits, self.lo, self.hi)
@@ -168,10 +176,12 @@ class DoReFa(_Elementwise):
     $$n = 2^b - 1, \qquad q = \operatorname{round}(n \operatorname{clip}(x, 0, 1)) / n,
     \qquad \dot q = t \cdot [0 \le x \le 1]$$
 
-    Exact like [`SteQuantize`][] (of which this is the grid $[0, 1]$): the nearest
-    level of the exact input, ties to the even index, rounded once; subnormal
-    inputs may act as zero. (XLA would turn the division by $n$ into a
-    multiplication by $1/n$, more than one ulp off: the levels are a table.)
+    Exact and fast like [`SteQuantize`][] (of which this is the grid $[0, 1]$):
+    the nearest level of the exact input, ties to the even index, rounded once;
+    subnormal inputs may act as zero. (XLA would turn the division by $n$ into a
+    multiplication by $1/n$, more than one ulp off: the level is
+    $k s_\mathrm{hi} + k s_\mathrm{lo}$ with the step split in two, checked when
+    traced for every $k$; from 13 bits, a table.)
 
     **Arguments:**
 
@@ -199,7 +209,7 @@ class DoReFa(_Elementwise):
         return quantize(x, self.bits, 0.0, 1.0, self.slope(x))
 
     def slope(self, x: Array) -> Array:
-        return ge(x, 0.0) & le(x, 1.0)
+        return within(x, 0.0, 1.0)
 
     def reference_forward(self, x: Array) -> Array:
         return reference_quantize(x, self.bits, 0.0, 1.0)
