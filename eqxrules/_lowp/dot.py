@@ -315,8 +315,8 @@ def quantized_dot(
     $\bar w$. A product whose recipe asks for it first rotates both operands along
     that dimension by the same random Hadamard transform (blocks of 16, say), which
     leaves the unquantised product unchanged. Quantisation is computed in float32,
-    and so are the products (`jax.lax.dot_general` with float32 output, the
-    precision JAX's default); the value has the dtype of `x · w`, each cotangent its
+    and so are the products (`jax.lax.dot_general` with float32 output, at JAX's
+    default precision); the value has the dtype of `x · w`, each cotangent its
     primal's.
 
     A recipe made only of `None` quantisers

@@ -130,7 +130,11 @@ class Keyed(eqx.Module):
     the model itself if it takes a `key` (for its dropout, say). Each layer's key
     lives in a copy of the model made for this call only, so the stored model
     never holds one: a call without `key`, when a layer's recipe needs one, is a
-    `TypeError`, never the same draws step after step.
+    `TypeError`, never the same draws step after step. (The alternative, a key
+    kept in each layer and advanced by the user at every step, fails silently
+    when a step forgets: stochastic rounding with the same draws at every step is
+    biased over training. The price of the wrapper: the model is reached as
+    `keyed.model`.)
 
     Under `jax.vmap`, give every example the same key
     (`jax.vmap(lambda x: keyed(x, key=key))(xs)`): a layer's products then run on

@@ -51,11 +51,15 @@ class Product(eqx.Module):
         fields, elementwise ([`FloatQuantize`][eqxrules.FloatQuantize]) or blocked
         ([`MXQuantize`][eqxrules.MXQuantize],
         [`NVFP4Quantize`][eqxrules.NVFP4Quantize]: their `axis` is set to the
-        reduced dimension);
+        reduced dimension, square blocks, `axis=(0, 1)`, kept as they are);
         `None` leaves the operand as it is.
     - `hadamard`: the block size $n$ (a power of two) of the random Hadamard
-        transform applied to both operands before quantising, with one set of
-        random signs (see `eqxrules._lowp.hadamard`); `None` for none.
+        transform applied to both operands before quantising, or `None`. Each
+        block of $n$ along the reduced dimension becomes $R^\top v$ with
+        $R = D H_n / \sqrt n$: $H_n$ Sylvester's Hadamard matrix, $D$ the
+        diagonal of $n$ random signs drawn from the product's key, the same for
+        both operands, so that $R R^\top = I$ leaves the unquantised product
+        unchanged.
     """
 
     lhs: Any = hyperparameter(None, quantizer, allow_none=True)
