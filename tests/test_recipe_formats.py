@@ -100,7 +100,7 @@ def test_square_nvfp4_blocks_equal_the_tile_by_tile_rule():
 
 def test_square_blocks_serve_both_products():
     # One quantised weight whichever axis a product reduces: Q(wᵀ) = Q(w)ᵀ.
-    q = eqxrules.NVFP4Quantize(axis=(0, 1))
+    q = jax.jit(eqxrules.NVFP4Quantize(axis=(0, 1)))
     for m in _matrices().values():
         np.testing.assert_array_equal(np.asarray(q(m.T)), np.asarray(q(m)).T)
 
