@@ -6,9 +6,12 @@ fail until this has been run after a rule or a check changes:
 `python scripts/update_readme.py`.
 
 The README's figures of `examples/qat_digits.py`, its QAT table and its row of the
-examples table, are generated from one recorded run, `examples/qat_digits.json`:
-`python scripts/update_readme.py --figures` runs the example in full mode (about
-three minutes: run it on a quiet machine) to record it again first."""
+examples table, are generated from one recorded run, `examples/qat_digits.json`;
+so are those of `examples/lowp_training.py`, its low-precision training table and
+its row, from `examples/lowp_training.json`. `python scripts/update_readme.py
+--figures` runs both examples in full mode (about four and ten minutes: run them on
+a quiet machine) to record them again first; `--figures=qat` or `--figures=lowp`
+runs one."""
 
 import inspect
 import json
@@ -46,6 +49,26 @@ _QAT_HEADER = (
     "quantised, no training) | trained (QAT) |\n|---|---|---|"
 )
 _QAT_ROW = "| `qat_digits.py` |"
+
+LOWP_EXAMPLE = ROOT / "examples" / "lowp_training.py"
+LOWP_FIGURES = LOWP_EXAMPLE.with_suffix(".json")
+
+# The README's words for each row of the low-precision example's `ROWS` (a new row
+# needs one: tests/test_readme.py checks).
+LOWP_LABELS = {
+    "float32": "float32 (nothing quantised)",
+    "fp8": "`fp8()`: E4M3 `x` and `w`, E5M2 gradients, a float32 scale per tensor",
+    "mxfp8": "`mxfp8()`: E4M3 in blocks of 32 with E8M0 scales",
+    "nvfp4": "`nvfp4()`: FP4 in blocks of 16 (weights 16×16), SR on gradients, "
+    "RHT on the weight-gradient product",
+    "nvfp4 without SR and RHT": "`nvfp4()` without SR and RHT "
+    '(`gradient_rounding="nearest", hadamard=None`)',
+}
+_LOWP_HEADER = (
+    "| recipe (`ROWS` in the example) | validation loss, nats per character | "
+    "vs float32 | target (issue 19) |\n|---|---|---|---|"
+)
+_LOWP_ROW = "| `lowp_training.py` |"
 
 
 def _replace(text: str, name: str, body: str) -> str:
@@ -124,11 +147,69 @@ def qat_disagreements(readme: str) -> list[str]:
     return [] if headline == expected else [f"row: {headline!r}; table: {expected!r}"]
 
 
-def record_qat_figures() -> None:
-    """Run `examples/qat_digits.py` in full mode, writing `examples/qat_digits.json`."""
+def _loss_cell(losses: list[float]) -> str:
+    """Mean of the seeds (lowest, highest), as the example prints it."""
+    mean = f"{sum(losses) / len(losses):.4f}"
+    if len(losses) == 1:
+        return mean
+    return f"{mean} ({min(losses):.4f}, {max(losses):.4f})"
+
+
+def _gap(row: dict) -> str:
+    return "—" if row["name"] == "float32" else f"{row['gap_percent']:+.2f}%"
+
+
+def _target(row: dict) -> str:
+    target = row["target_percent"]
+    if target is None:
+        return "— (as measured)" if row["name"] != "float32" else "—"
+    verdict = "met" if row["gap_percent"] <= target else "**missed**"
+    return f"within {target:g}%: {verdict}"
+
+
+def lowp_table(figures: dict) -> str:
+    """The README's low-precision training table, with the run it comes from, from
+    a recorded run of `examples/lowp_training.py`."""
+    rows = [
+        f"| {LOWP_LABELS[r['name']]} | {_loss_cell(r['validation'])} | {_gap(r)} | "
+        f"{_target(r)} |"
+        for r in figures["rows"]
+    ]
+    s, c = figures["settings"], figures["corpus"]
+    load = figures["load_average"]
+    run = (
+        f"Mean of {len(s['seeds'])} seeds (lowest, highest); the gap is that of the "
+        f"means. {s['steps']} steps of {s['batch']} windows of {s['context']} bytes "
+        f"each; width {s['width']}, {s['depth']} blocks, {s['heads']} heads, MLP "
+        f"{s['hidden']}. Data: the {len(c['files'])} files of Python "
+        f"{c['python']}'s standard library, {c['bytes']:,} bytes "
+        f"({c['validation_bytes']:,} for validation). Recorded by "
+        f"`{figures['command']}` on {figures['date']}: {figures['seconds']:.0f} s "
+        f"on {figures['cpus']} CPU cores (load average {load[0]:g} before, "
+        f"{load[1]:g} after), jax {figures['versions']['jax']}."
+    )
+    return "\n".join([_LOWP_HEADER, *rows, "", run])
+
+
+def lowp_example_row(figures: dict) -> str:
+    """The examples table's row for `lowp_training.py`, from a recorded run."""
+    rows = {r["name"]: r for r in figures["rows"]}
+    gaps = ", ".join(
+        f"{name} {rows[name]['gap_percent']:+.1f}%" for name in list(rows)[1:]
+    )
+    return (
+        f"{_LOWP_ROW} a transformer language model trained with FP8, MXFP8 and NVFP4 "
+        f"recipes (`quantize(model, recipe=...)`, `Keyed`) against float32 | "
+        f"{figures['seconds']:.0f} s | float32 {rows['float32']['mean']:.3f} nats "
+        f"per character; {gaps} ({len(figures['settings']['seeds'])} seeds) |"
+    )
+
+
+def _record(example: pathlib.Path) -> None:
+    """Run `example` in full mode with `--record`, writing its JSON beside it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     subprocess.run(
-        [sys.executable, str(QAT_EXAMPLE), "--record"], check=True, env=env, cwd=ROOT
+        [sys.executable, str(example), "--record"], check=True, env=env, cwd=ROOT
     )
 
 
@@ -143,8 +224,11 @@ def main() -> None:
     text = _replace(text, "rule-example", example_rule())
     figures = json.loads(QAT_FIGURES.read_text())
     text = _replace(text, "qat-table", qat_table(figures))
+    lowp = json.loads(LOWP_FIGURES.read_text())
+    text = _replace(text, "lowp-table", lowp_table(lowp))
+    rows = {_QAT_ROW: qat_example_row(figures), _LOWP_ROW: lowp_example_row(lowp)}
     text = "\n".join(
-        qat_example_row(figures) if line.startswith(_QAT_ROW) else line
+        next((row for start, row in rows.items() if line.startswith(start)), line)
         for line in text.split("\n")
     )
     README.write_text(text)
@@ -155,6 +239,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--figures" in sys.argv:
-        record_qat_figures()
+    for name, example in (("qat", QAT_EXAMPLE), ("lowp", LOWP_EXAMPLE)):
+        if "--figures" in sys.argv or f"--figures={name}" in sys.argv:
+            _record(example)
     main()

@@ -1,9 +1,12 @@
 """The README's generated tables cannot drift from the code, nor its and the
 benchmark report's figures from the runs that measured them."""
 
+import copy
+import dataclasses
 import importlib.util
 import inspect
 import json
+import math
 import pathlib
 import re
 
@@ -114,6 +117,84 @@ def test_disagreement_check_catches_the_0_2_0_readme():
     old = old.replace(row, re.sub(r"LSQ W4A4 [\d.]+%", "LSQ W4A4 97.1%", row))
     (problem,) = update.qat_disagreements(old)
     assert "LSQ W4A4 97.1%" in problem and "LSQ W4A4 97.3%" in problem
+
+
+# `examples/lowp_training.py`'s figures: its table and its examples row come from
+# one recorded run.
+
+
+def _lowp_figures() -> dict:
+    return json.loads((ROOT / "examples" / "lowp_training.json").read_text())
+
+
+def test_lowp_table_is_the_recorded_run():
+    """Regenerate with `python scripts/update_readme.py [--figures=lowp]`."""
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    assert _between("lowp-table") == update.lowp_table(_lowp_figures())
+
+
+def test_examples_row_of_lowp_training_is_the_recorded_run():
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    rows = [ln for ln in README.splitlines() if ln.startswith("| `lowp_training.py` |")]
+    assert rows == [update.lowp_example_row(_lowp_figures())]
+
+
+def lowp_record_problems(figures: dict, example) -> list[str]:
+    """Where the recorded run is not a full run of today's example: other rows,
+    recipes, targets or settings, another number of seeds, a row the README has
+    no words for, or a summary that does not follow from the seeds' losses."""
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    problems = []
+    if [r["name"] for r in figures["rows"]] != [row.name for row in example.ROWS]:
+        problems.append("rows: not the example's `ROWS`")
+    full = json.loads(json.dumps(dataclasses.asdict(example.FULL)))
+    if figures["settings"] != full:
+        problems.append(f"settings: {figures['settings']}, not `FULL`'s {full}")
+    reference = figures["rows"][0]["validation"]
+    reference_mean = sum(reference) / len(reference)
+    for r, row in zip(figures["rows"], example.ROWS):
+        v = r["validation"]
+        mean = sum(v) / len(v)
+        gap = 100 * (mean / reference_mean - 1)
+        if len(v) != len(example.FULL.seeds):
+            problems.append(f"{row.name}: {len(v)} seeds")
+        if r["recipe"] != (None if row.recipe is None else repr(row.recipe)):
+            problems.append(f"{row.name}: recipe {r['recipe']}")
+        if r["target_percent"] != row.target:
+            problems.append(f"{row.name}: target {r['target_percent']}")
+        if not (
+            math.isclose(r["mean"], mean, rel_tol=1e-12)
+            and (r["min"], r["max"]) == (min(v), max(v))
+            and math.isclose(r["gap_percent"], gap, rel_tol=1e-9, abs_tol=1e-12)
+        ):
+            problems.append(f"{row.name}: mean, min, max or gap not of {v}")
+        if row.name not in update.LOWP_LABELS:
+            problems.append(f"{row.name}: no label in scripts/update_readme.py")
+    return problems
+
+
+def test_the_lowp_record_is_a_full_run_of_every_row(load_example):
+    # A row or a setting changed in the example, or a quick run recorded, makes
+    # the figures stale.
+    example = load_example("lowp_training")
+    assert lowp_record_problems(_lowp_figures(), example) == []
+
+
+def test_lowp_record_check_catches_a_quick_run_and_an_edited_mean(load_example):
+    # Planted defects: a quick run's record (one seed, the quick settings), and a
+    # mean edited by hand.
+    example = load_example("lowp_training")
+    quick = copy.deepcopy(_lowp_figures())
+    quick["settings"] = json.loads(json.dumps(dataclasses.asdict(example.QUICK)))
+    for r in quick["rows"]:
+        r["validation"] = r["validation"][:1]
+    problems = lowp_record_problems(quick, example)
+    assert any(p.startswith("settings:") for p in problems), problems
+    assert any(p == "fp8: 1 seeds" for p in problems), problems
+    edited = copy.deepcopy(_lowp_figures())
+    edited["rows"][2]["mean"] -= 0.01
+    (problem,) = lowp_record_problems(edited, example)
+    assert problem.startswith("mxfp8: mean, min, max or gap not of")
 
 
 # `benchmarks/RESULTS.md`: rendered from RESULTS.json, which measured this catalogue.
