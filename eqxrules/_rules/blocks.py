@@ -13,8 +13,9 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._catalogue import Domain, JVPRule, check_axis, check_float_array
+from .._catalogue import Domain, JVPRule
 from .._hyper import at_least, axis_index, fixed, hyperparameter, integer
+from .._inputs import check_axis, check_float_array
 from ._formats import (
     FORMATS,
     divide,

@@ -10,15 +10,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
-from .._catalogue import (
-    Domain,
-    JVPRule,
-    call_with_key,
-    check_broadcasts,
-    functional,
-    partial_jvp,
-)
+from .._catalogue import Domain, JVPRule, call_with_key, functional, partial_jvp
 from .._hyper import finite_nonzero, function, hyperparameter, one_of
+from .._inputs import check_broadcasts
 from .._typing import PyTree
 
 Mode = Literal["exact", "skip_scale", "stop_input"]
