@@ -22,20 +22,31 @@ def check_float_array(
     functions take no lists either (`jnp.sin([1.0])` is a `TypeError`), and a
     rule's input is an array of one dtype. (A Python float is made an array
     before this check, as `jnp` makes one.)"""
-    if len(args) != 1:
-        raise TypeError(f"`{rule}` takes one array argument, got {len(args)}{hint}.")
-    (x,) = args
-    if not _is_array_like(x):
-        raise TypeError(
-            f"`{rule}` expects a floating-point array for `{argument}`, got "
-            f"{_described(x)}. Convert it first, e.g. `jnp.asarray({argument})` (like "
-            "`jnp`'s functions, a rule does not convert lists)."
-        )
-    dtype = jnp.result_type(x)
+    check_array(rule, args, hint, argument, "a floating-point array")
+    dtype = jnp.result_type(args[0])
     if not jnp.issubdtype(dtype, jnp.inexact):
         raise TypeError(
             f"`{rule}` expects a floating-point array for `{argument}`, got dtype "
             f"{dtype}. Cast it first, e.g. `{argument}.astype(jnp.float32)`."
+        )
+
+
+def check_array(
+    rule: str,
+    args: tuple[Any, ...],
+    hint: str = "",
+    argument: str = "x",
+    what: str = "an array",
+) -> None:
+    """Raise a `TypeError` naming `rule` and its input `argument` unless `args` is
+    one array (or a number): not a list, tuple, string or `None`."""
+    if len(args) != 1:
+        raise TypeError(f"`{rule}` takes one array argument, got {len(args)}{hint}.")
+    if not _is_array_like(args[0]):
+        raise TypeError(
+            f"`{rule}` expects {what} for `{argument}`, got {_described(args[0])}. "
+            f"Convert it first, e.g. `jnp.asarray({argument})` (like `jnp`'s "
+            "functions, a rule does not convert lists)."
         )
 
 
