@@ -249,7 +249,7 @@ def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
             f"{report.spread(w['hand'])} | "
             f"{report.spread(w.get('float32'))} | "
             f"{report.ratio(o['flops'], f['flops'])} | "
-            f"{report.ratio(o['temp'], f['temp'])} | {r['load']:.1f} |"
+            f"{report.mib(f['temp'])} | {r['load']:.1f} |"
         )
     return lines + _goals(rows) + [""]
 
