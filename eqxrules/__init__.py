@@ -2,6 +2,7 @@
 checked against a reference."""
 
 from . import _rules, checks as checks, recipes as recipes, testing as testing
+from ._calibrate import calibrate as calibrate
 from ._catalogue import (
     Domain as Domain,
     ElementwiseRule as ElementwiseRule,
@@ -18,7 +19,6 @@ from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import (
     NonNegativeSignInputWarning as NonNegativeSignInputWarning,
     Quantized as Quantized,
-    calibrate as calibrate,
     quantize as quantize,
 )
 from ._lowp.dot import quantized_dot as quantized_dot

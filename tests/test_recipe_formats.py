@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import eqxrules
-from eqxrules._rules import floats
+from eqxrules._rules import blocks, floats
 
 F32 = np.float32
 CAST = {
@@ -115,8 +115,8 @@ def test_planted_blocks_of_the_wrong_shape_are_caught(monkeypatch):
         *lead, n0, n1 = x.shape
         return x.reshape(*lead, n0 // size, n1 // size, size * size)
 
-    honest = floats._to_blocks
-    monkeypatch.setattr(floats, "_to_blocks", unswapped)
+    honest = blocks._to_blocks
+    monkeypatch.setattr(blocks, "_to_blocks", unswapped)
     assert _nvfp4_2d_mismatches() != {}
 
 

@@ -26,8 +26,9 @@ WORKER = ROOT / "tests" / "sharding_worker.py"
 # Run by the worker with `main(quick=True)`, and as a script by the slow test.
 EXAMPLE = "data_parallel"
 ENTRIES = eqxrules.catalogue()
-# One xdist worker takes every test here (`--dist loadgroup`), so the worker
-# subprocess runs once, not once per worker.
+# One xdist worker takes every test here (`--dist loadgroup`), and the fixture is
+# session-scoped, so the worker subprocess runs once, not once per worker (nor
+# again when that worker comes back to this module after another).
 pytestmark = pytest.mark.xdist_group("sharding")
 
 
@@ -42,7 +43,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sharded() -> dict:
     proc = subprocess.run(
         [sys.executable, str(WORKER)],

@@ -38,7 +38,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._catalogue import VJPRule, check_float_array
+from .._catalogue import VJPRule
+from .._inputs import check_float_array
 from .hadamard import random_signs, rotate
 from .recipes import Custom, Product, Recipe, block_lengths, reads_key
 

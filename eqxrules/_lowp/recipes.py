@@ -13,7 +13,8 @@ import jax.tree_util as jtu
 
 from .._catalogue import Rule
 from .._hyper import Check, at_least, check_fields, hyperparameter, integer, one_of
-from .._rules.floats import FloatQuantize, MXQuantize, NVFP4Quantize, element_format
+from .._rules.blocks import MXQuantize, NVFP4Quantize
+from .._rules.floats import FloatQuantize, element_format
 
 
 def _is_quantizer(v: Any) -> bool:

@@ -12,7 +12,8 @@ from .scaled import ScaledModel as ScaledModel, scaled_call as scaled_call
 from .sign import SteSign as SteSign, ApproxSign as ApproxSign, SwishSign as SwishSign, MagnitudeAwareSign as MagnitudeAwareSign, SteTernary as SteTernary, SteHeaviside as SteHeaviside, QuadraticSign as QuadraticSign
 from .quantize import SteRound as SteRound, SteQuantize as SteQuantize, DoReFa as DoReFa, StochasticRound as StochasticRound
 from .learned import LSQ as LSQ, PACT as PACT
-from .floats import FloatQuantize as FloatQuantize, MXQuantize as MXQuantize, NVFP4Quantize as NVFP4Quantize
+from .floats import FloatQuantize as FloatQuantize
+from .blocks import MXQuantize as MXQuantize, NVFP4Quantize as NVFP4Quantize
 from .straight_through import StraightThrough as StraightThrough
 from .categorical import StraightThroughOneHot as StraightThroughOneHot, GumbelSoftmax as GumbelSoftmax
 from .stop_gradient import StopGradient as StopGradient, stop_gradient_call as stop_gradient_call, Frozen as Frozen, frozen_call as frozen_call, Detach as Detach, Standardize as Standardize
