@@ -1,0 +1,341 @@
+r"""Stochastic rounding onto the exact uniform grids of `_exact` and `_paths`.
+
+An input $x$ in $[\mathrm{lo}, \mathrm{hi}]$ goes to one of the two levels around
+it, $L \le x \le U$ (exact rationals, each rounded once to the output dtype), to $U$
+with probability $(x - L)/(U - L)$, for the exact $x$ and the exact levels, within
+a bound proved for the grid when traced. How:
+
+1. The path's nearest index $k$ (`_paths`; exact, ties to even) and its level.
+2. $g = (x - L_k)/s$, the signed distance from it in steps $s$
+   ($\lvert g \rvert \le 1/2$), computed to within $A + \rho \lvert g \rvert$
+   (`residual`, `Tiers`): the level is a sum of *tiers* $u S_i + \Lambda_i$, with
+   $u = k - o$ (an integer, $\lvert u \rvert \le$ `reach`, $o$ the middle index)
+   and $S_i$, $\Lambda_i$ on ever finer grids of powers of two, each coarse enough
+   that its tier is exact; only the last tier is rounded. $x - (u S_0 +
+   \Lambda_0)$ is split exactly (TwoSum), the other tiers are subtracted in turn,
+   then the TwoSum's error is added back and the sum scaled by $n/(\mathrm{hi} -
+   \mathrm{lo})$. Each rounding is bounded (`_bound`), with `Fraction`s, from the
+   grid's constants: a proof for every input of the grid, made when traced.
+3. `stochastic_move`: the input steps from $L_k$ to the neighbour on the side of
+   $g$ with probability within $2^{-25}$ of $\lvert g \rvert$ (24 random bits), and
+   never within $2^{-25}$ of a step from $L_k$. Where $A \le 2^{-25}$ (required),
+   a rounded $g$ of the wrong sign is within that, so the input never steps to a
+   level that is not its neighbour. The probability of $U$ is then within
+   $2^{-25} + A + \rho/2$ of $(x - L)/(U - L)$, the bias `Tiers.bias` (required
+   below $2^{-22}$; about $2^{-23}$ in float32, $2^{-25}$ on a dyadic grid).
+
+An input equal to a level's value in its own dtype (the level rounded once) is that
+level with probability 1, though the exact level may differ from it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from ._elementwise import wide
+from ._exact import (
+    _exponent,
+    _fractions,
+    _lookup,
+    ge,
+    grid,
+    grid_index,
+    le,
+    reference_index,
+    reference_levels,
+    round_to,
+)
+from ._formats import RESOLUTION, stochastic_move
+from ._paths import Dyadic, Formula, formula_level, formula_value, plan
+
+BIAS = Fraction(1, 2**22)
+"""The bias every grid's stochastic rounding must be proved below: `Tiers.bias`, in
+steps."""
+_MAX_TIERS = 6
+
+
+class Tiers(NamedTuple):
+    """The constants of `residual` for one grid and compute dtype, and what they
+    prove: $\\lvert \\tilde g - g \\rvert \\le$ `absolute` $+$ `relative`
+    $\\cdot \\lvert g \\rvert$ for every input in $[\\mathrm{lo}, \\mathrm{hi}]$
+    with its exact nearest index (subnormal inputs may act as zero)."""
+
+    origin: int  # u = k - origin
+    exact: tuple[tuple[Any, Any], ...]  # (S_i, Λ_i): u·S_i + Λ_i exact for |u| <= reach
+    last: tuple[Any, Any]  # the rest, rounded: u·S + Λ rounds
+    scale: Any  # n / (hi - lo), rounded
+    absolute: Fraction
+    relative: Fraction
+
+    @property
+    def bias(self) -> Fraction:
+        """The bound on $\\lvert P(U) - (x - L)/(U - L) \\rvert$ at the shipped
+        resolution: the rule's $2^{-25}$, plus the error of $g$ at
+        $\\lvert g \\rvert \\le 1/2$."""
+        return Fraction(1, 2 ** (RESOLUTION + 1)) + self.absolute + self.relative / 2
+
+
+def _bound(
+    step: Fraction,
+    scale: Fraction,
+    reach: int,
+    tiers: list[tuple[Fraction, Fraction]],
+    rest: tuple[Fraction, Fraction],
+    last: tuple[Fraction, Fraction],
+    compute: Any,
+) -> tuple[Fraction, Fraction]:
+    r"""`(absolute, relative)` for `residual` with these constants: every operation
+    rounded to nearest (a multiply-add rounded once where fused, which the bounds
+    cover), and any result that could be subnormal flushed to zero (`flush` for
+    each). Magnitudes and errors are linear in $\lvert r \rvert$, $r = x - L_k$,
+    $\lvert r \rvert \le s/2$, written `(c, k)` for $c + k \lvert r \rvert$.
+    `rest` is the exact remainder of the level after the exact tiers, `last` its
+    rounded tier."""
+    fi = jnp.finfo(compute)
+    ur = Fraction(1, 2 ** (int(fi.nmant) + 1))
+    flush = Fraction(float(fi.tiny))
+    mags = [reach * abs(s) + abs(v) for s, v in tiers]  # bound on |u·S + Λ|
+    remainder = reach * abs(rest[0]) + abs(rest[1])
+    last_error = (  # |(u·S + Λ rounded) - the exact rest|
+        reach * abs(rest[0] - last[0])
+        + abs(rest[1] - last[1])
+        + ur * reach * abs(last[0]) * (2 + ur)
+        + ur * abs(last[1])
+        + 2 * flush
+    )
+    # Tier i's TwoSum: a_i + e_i = a_(i-1) - K_i exactly, where that is
+    # r + (the later tiers and the rest) - (the errors so far, b's); |e_i| <= ur|a_i|.
+    errors = (Fraction(0), Fraction(0))  # |exact sum of b_0 and the e_i|
+    drift = Fraction(0)  # what rounding b += e_i and flushing add to b
+    for i in range(len(tiers)):
+        later = sum(mags[i + 1 :]) + remainder
+        a = ((later + errors[0]) * (1 + ur), (1 + errors[1]) * (1 + ur))
+        errors = (errors[0] + ur * a[0], errors[1] + ur * a[1])
+        if i:
+            drift += ur * (errors[0] + errors[1] * step / 2 + drift) + flush
+        drift += 4 * flush  # the TwoSum's own steps and its error, flushed
+    # t = fl(a_m - K_last), a_m - K_last = r + (rest - K_last) - errors.
+    t_error = ur * (last_error + errors[0]) + flush
+    t_k = ur * (1 + errors[1])
+    # r~ = fl(t + b) = r + (rest - K_last) + t's error + drift.
+    c = last_error + t_error + drift
+    k = t_k
+    c, k = c + ur * c + flush, k + ur * (1 + k)
+    # g~ = fl(r~·scale~): |g~ - g| <= scale~(1 + ur)|r~ - r| + |r|(|scale~ - c| + ur·scale~)
+    rounded = Fraction(round_to(scale, compute))
+    absolute = rounded * (1 + ur) * c + flush
+    relative = (rounded * (1 + ur) * k + abs(rounded - scale) + ur * rounded) / scale
+    return absolute, relative
+
+
+@functools.lru_cache(maxsize=256)
+def tiers(bits: int, lo: float, hi: float, compute: Any) -> Tiers | None:
+    """The grid's `Tiers` in `compute`, or `None` if no tiers prove a bias below
+    `BIAS` with $A \\le 2^{-25}$ (a grid within a few dozen float32 steps of a
+    level's magnitude, or so near 0 that a tier's grid is subnormal)."""
+    compute = jnp.dtype(compute)
+    fi = jnp.finfo(compute)
+    p = int(fi.nmant) + 1
+    n, flo, fhi, step = _fractions(bits, lo, hi)
+    origin = n // 2
+    reach = max(origin, n - origin)
+    rest = (step, flo + origin * step)
+    exact: list[tuple[Fraction, Fraction]] = []
+    while reach * abs(rest[0]) + abs(rest[1]) > step / 16:
+        if len(exact) == _MAX_TIERS:
+            return None
+        size = reach * abs(rest[0]) + abs(rest[1])
+        q = Fraction(2) ** (_exponent(size) + 1 - p)
+        while True:  # u·S + Λ: multiples of q below 2^p·q, so exact
+            s, v = (round(r / q) * q for r in rest)
+            if reach * abs(s) + abs(v) < 2**p * q:
+                break
+            q *= 2
+        if q < Fraction(float(fi.tiny)):
+            return None
+        exact.append((s, v))
+        rest = (rest[0] - s, rest[1] - v)
+    last = tuple(Fraction(round_to(r, compute)) for r in rest)
+    scale = n / (fhi - flo)
+    absolute, relative = _bound(
+        step, scale, reach, exact, rest, (last[0], last[1]), compute
+    )
+    kind = np.dtype(compute).type
+    t = Tiers(
+        origin,
+        tuple((kind(float(s)), kind(float(v))) for s, v in exact),
+        (kind(float(last[0])), kind(float(last[1]))),
+        kind(round_to(scale, compute)),
+        absolute,
+        relative,
+    )
+    if absolute > Fraction(1, 2 ** (RESOLUTION + 1)) or t.bias >= BIAS:
+        return None
+    return t
+
+
+def stochastic_ready(bits: int, lo: float, hi: float) -> bool:
+    """Whether the grid's stochastic rounding is proved in float32 (the compute
+    dtype of every input but float64): a dyadic grid, or `Tiers`."""
+    lo, hi = float(lo), float(hi)
+    dyadic = isinstance(plan(bits, lo, hi, jnp.float32, jnp.float32), Dyadic)
+    return dyadic or tiers(bits, lo, hi, jnp.float32) is not None
+
+
+def _two_sum(a: Array, b: Array) -> tuple[Array, Array]:
+    """`(s, e)` with `s = fl(a + b)` and `s + e = a + b` exactly (Knuth)."""
+    s = a + b
+    back = s - a
+    return s, (a - (s - back)) + (b - back)
+
+
+def residual(w: Array, index: Array, t: Tiers) -> Array:
+    """$\tilde g \approx (w - L_k)/s$ for the nearest index $k$ = `index` (an
+    integer-valued float of `w`'s dtype), within the bound of `t`: the exact tiers
+    subtracted exactly (TwoSum; their errors summed apart, being tiny), the last
+    rounded, then the errors added back."""
+    u = index - t.origin
+    (s0, v0), *others = t.exact
+    a, b = _two_sum(w, -(u * s0 + v0))
+    for s, v in others:
+        a, e = _two_sum(a, -(u * s + v))
+        b = b + e
+    s, v = t.last
+    return ((a - (u * s + v)) + b) * t.scale
+
+
+def stochastic_quantize(
+    x: Array,
+    bits: int,
+    lo: float,
+    hi: float,
+    inside: Array,
+    random: Array,
+    resolution: int = RESOLUTION,
+) -> Array:
+    """`2**bits` levels from `lo` to `hi`, rounded stochastically with the uint32
+    `random` (one per element of `x`), by the grid's path (see the module's
+    docstring); `inside` is `[lo <= x <= hi]`: outside, the end levels. A
+    `resolution` other than `RESOLUTION` is for tests that enumerate every `j`."""
+    n = 2**bits - 1
+    w = x.astype(wide(x.dtype))
+    lo, hi = float(lo), float(hi)
+    path = plan(bits, lo, hi, w.dtype, x.dtype)
+    level: Callable[[Array], Array]
+    if isinstance(path, Dyadic):
+        clipped = jnp.clip(w, path.lo, path.hi)
+        v = clipped * path.inverse
+        index = jnp.round(v)
+        g = v - index  # exact (Sterbenz): no tiers
+        ends = (path.lo * path.inverse, path.hi * path.inverse)
+        step = path.step
+
+        def level(k: Array) -> Array:
+            return k * step
+
+        stay = level(index)
+    else:
+        t = tiers(bits, lo, hi, w.dtype)
+        assert t is not None, (bits, lo, hi, w.dtype)
+        ends = (0, n)
+        if isinstance(path, Formula):
+            f = path
+            clipped = jnp.clip(w, f.lowest, f.highest)
+            index, stay = formula_value(w, f)
+
+            def level(k: Array) -> Array:
+                return formula_level(k - f.u0, f)
+
+        else:
+            table = grid(bits, lo, hi, w.dtype, x.dtype)
+            clipped = jnp.clip(w, table.levels[0], table.levels[-1])
+            index = grid_index(w, table, n).astype(w.dtype)
+
+            def level(k: Array) -> Array:
+                return _lookup(table.levels, k.astype(jnp.int32))
+
+            stay = level(index)
+
+        g = residual(w, index, t)
+    stay = stay.astype(x.dtype)
+    other = level(jnp.clip(index + jnp.where(g < 0, -1, 1), *ends)).astype(x.dtype)
+    q = jnp.where(stochastic_move(g, random, resolution), other, stay)
+    # An input that is a level in its own dtype stays that level.
+    q = jnp.where(x == other, other, jnp.where(x == stay, stay, q))
+    return jnp.where(inside, q, clipped.astype(x.dtype))
+
+
+def _level_table(bits: int, lo: float, hi: float, dtype: Any, parts: int) -> Array:
+    """`parts` rows: each exact level as a sum of `parts` numbers of `dtype`, each
+    the rest rounded to nearest (shape `(parts, n + 1)`)."""
+    n, flo, _, step = _fractions(bits, lo, hi)
+    rows = []
+    rest = [flo + i * step for i in range(n + 1)]
+    for _ in range(parts):
+        row = [round_to(v, dtype) for v in rest]
+        rest = [v - Fraction(r) for v, r in zip(rest, row)]
+        rows.append(row)
+    return jnp.asarray(np.asarray(rows, dtype))
+
+
+def reference_stochastic_quantize(
+    x: Array, bits: int, lo: float, hi: float, random: Array
+) -> Array:
+    r"""Independently of `stochastic_quantize`: the nearest index by binary search
+    (`reference_index`), the level as three numbers of the compute dtype read from
+    a table, $g$ = `(((x - A) - B) - C) / s` with the first difference split by
+    TwoSum (a true division by the step, rounded), then the documented rule: the
+    top 25 bits with the last set, $2j + 1$, below $2^{25} \lvert g \rvert$. The
+    values are the levels rounded once (`reference_levels`); an input equal to one
+    of the two is it; beyond the range the end levels; NaN stays NaN."""
+    n = 2**bits - 1
+    w = x.astype(wide(x.dtype))
+    k = reference_index(w, bits, lo, hi)
+    parts = _level_table(bits, lo, hi, w.dtype, 3)
+    a = w - parts[0][k]
+    back = a - w
+    error = (w - (a - back)) + (-parts[0][k] - back)
+    _, _, _, step = _fractions(bits, lo, hi)
+    g = (((a - parts[1][k]) - parts[2][k]) + error) / jnp.where(
+        jnp.isnan(w), w, round_to(step, w.dtype)
+    )
+    scaled = jnp.ceil(jnp.minimum(jnp.abs(g) * 2.0**25, 2.0**25))
+    move = ((random >> 7) | 1) < scaled.astype(jnp.uint32)
+    levels = jnp.asarray(reference_levels(bits, lo, hi, x.dtype))
+    stay, other = levels[k], levels[jnp.clip(jnp.where(g < 0, k - 1, k + 1), 0, n)]
+    q = jnp.where(move, other, stay)
+    q = jnp.where(x == other, other, jnp.where(x == stay, stay, q))
+    inside = ge(w, lo) & le(w, hi)
+    end = jnp.where(ge(w, lo), levels[-1], levels[0])
+    return jnp.where(jnp.isnan(w), x, jnp.where(inside, q, end))
+
+
+def reference_neighbours(
+    x: Array, bits: int, lo: float, hi: float
+) -> tuple[Array, Array]:
+    r"""The two levels around each `x`, $L \le x \le U$ for the exact levels (found
+    by binary search: $x \ge L_k$ iff $x \ge L_k$ rounded up), each rounded once
+    to `x`'s dtype; both `x` where `x` is one of them; both the end level beyond
+    the range; NaN for NaN."""
+    n = 2**bits - 1
+    w = x.astype(wide(x.dtype))
+    _, flo, _, step = _fractions(bits, lo, hi)
+    up = np.asarray([round_to(flo + i * step, w.dtype, "up") for i in range(n + 1)])
+    count = jnp.searchsorted(jnp.asarray(up, w.dtype), w, side="right")  # #{L_k <= x}
+    k = jnp.clip(count - 1, 0, n - 1)
+    levels = jnp.asarray(reference_levels(bits, lo, hi, x.dtype))
+    lower, upper = levels[k], levels[k + 1]
+    level = (x == lower) | (x == upper)
+    lower, upper = jnp.where(level, x, lower), jnp.where(level, x, upper)
+    inside = ge(w, lo) & le(w, hi)
+    end = jnp.where(ge(w, lo), levels[-1], levels[0])
+    lower, upper = jnp.where(inside, lower, end), jnp.where(inside, upper, end)
+    nan = jnp.isnan(w)
+    return jnp.where(nan, x, lower), jnp.where(nan, x, upper)
