@@ -176,10 +176,7 @@ def reference_index(w: Array, bits: int, lo: float, hi: float) -> Array:
     by counting the thresholds below it with a binary search, then settling an
     exact tie by parity; in `[0, n]` (NaN gives some index in range)."""
     n = 2**bits - 1
-    _, flo, _, step = _fractions(bits, lo, hi)
-    t = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
-    down = np.asarray([round_to(v, w.dtype, "down") for v in t], w.dtype)
-    exact = np.asarray([Fraction(float(d)) == v for d, v in zip(down, t)])
+    down, exact = _reference_thresholds(bits, lo, hi, w.dtype)
     count = jnp.searchsorted(jnp.asarray(down), w, side="left")  # #{T_j < x}
     inner = jnp.minimum(count, n - 1)
     tie = (count < n) & jnp.asarray(exact)[inner] & (jnp.asarray(down)[inner] == w)
@@ -187,6 +184,18 @@ def reference_index(w: Array, bits: int, lo: float, hi: float) -> Array:
     return jnp.minimum(k, n)
 
 
+@functools.lru_cache(maxsize=64)
+def _reference_thresholds(
+    bits: int, lo: float, hi: float, dtype: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each threshold rounded down into `dtype`, and whether that is exact."""
+    n, flo, _, step = _fractions(bits, lo, hi)
+    t = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
+    down = np.asarray([round_to(v, dtype, "down") for v in t], dtype)
+    return down, np.asarray([Fraction(float(d)) == v for d, v in zip(down, t)])
+
+
+@functools.lru_cache(maxsize=64)
 def reference_levels(bits: int, lo: float, hi: float, dtype: Any) -> np.ndarray:
     """Every exact level rounded once to `dtype`, from `Fraction`s."""
     n, flo, _, step = _fractions(bits, lo, hi)

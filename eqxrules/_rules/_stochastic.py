@@ -62,9 +62,9 @@ _MAX_TIERS = 6
 
 
 class Tiers(NamedTuple):
-    """The constants of `residual` for one grid and compute dtype, and what they
-    prove: $\\lvert \\tilde g - g \\rvert \\le$ `absolute` $+$ `relative`
-    $\\cdot \\lvert g \\rvert$ for every input in $[\\mathrm{lo}, \\mathrm{hi}]$
+    r"""The constants of `residual` for one grid and compute dtype, and what they
+    prove: $\lvert \tilde g - g \rvert \le$ `absolute` $+$ `relative`
+    $\cdot \lvert g \rvert$ for every input in $[\mathrm{lo}, \mathrm{hi}]$
     with its exact nearest index (subnormal inputs may act as zero)."""
 
     origin: int  # u = k - origin
@@ -76,9 +76,9 @@ class Tiers(NamedTuple):
 
     @property
     def bias(self) -> Fraction:
-        """The bound on $\\lvert P(U) - (x - L)/(U - L) \\rvert$ at the shipped
+        r"""The bound on $\lvert P(U) - (x - L)/(U - L) \rvert$ at the shipped
         resolution: the rule's $2^{-25}$, plus the error of $g$ at
-        $\\lvert g \\rvert \\le 1/2$."""
+        $\lvert g \rvert \le 1/2$."""
         return Fraction(1, 2 ** (RESOLUTION + 1)) + self.absolute + self.relative / 2
 
 
@@ -135,11 +135,59 @@ def _bound(
     return absolute, relative
 
 
+def _unit(v: Fraction) -> Fraction:
+    """The largest power of two of which the dyadic `v` is a multiple (`v` > 0)."""
+    return Fraction(v.numerator & -v.numerator, v.denominator)
+
+
+def proof(
+    origin: int,
+    exact: Any,
+    last: Any,
+    scale: Any,
+    bits: int,
+    lo: float,
+    hi: float,
+    compute: Any,
+) -> tuple[Fraction, Fraction] | None:
+    r"""`(absolute, relative)` for `residual` with these constants (numbers of
+        `compute`), or `None` if a tier said exact is not. Tier `(S, Λ)` is exact if
+        both are multiples of a power of two $q$, not below the smallest normal number,
+        with $\mathrm{reach} \lvert S
+    vert + \lvert \Lambda
+    vert < 2^p q$ ($p$ the
+        precision): then $u S$ and $u S + \Lambda$ are multiples of $q$ below $2^p q$
+        for every integer $\lvert u
+    vert \le$ `reach`, so exact and normal, fused or
+        not. `scale` must be $n/(\mathrm{hi} - \mathrm{lo})$ rounded to nearest. The
+        rest of the level after the exact tiers is computed exactly, and `last`'s
+        distance from it is part of the bound (`_bound`)."""
+    compute = jnp.dtype(compute)
+    fi = jnp.finfo(compute)
+    p = int(fi.nmant) + 1
+    n, flo, fhi, step = _fractions(bits, lo, hi)
+    reach = max(origin, n - origin)
+    tiers = [(Fraction(float(s)), Fraction(float(v))) for s, v in exact]
+    rest = (step, flo + origin * step)
+    for s, v in tiers:
+        nonzero = [abs(c) for c in (s, v) if c]
+        q = min(map(_unit, nonzero)) if nonzero else Fraction(float(fi.tiny))
+        if q < Fraction(float(fi.tiny)) or reach * abs(s) + abs(v) >= 2**p * q:
+            return None
+        rest = (rest[0] - s, rest[1] - v)
+    exact_scale = n / (fhi - flo)
+    if not tiers or Fraction(float(scale)) != Fraction(round_to(exact_scale, compute)):
+        return None
+    rounded = tuple(Fraction(float(c)) for c in last)
+    return _bound(step, exact_scale, reach, tiers, rest, rounded, compute)
+
+
 @functools.lru_cache(maxsize=256)
 def tiers(bits: int, lo: float, hi: float, compute: Any) -> Tiers | None:
-    """The grid's `Tiers` in `compute`, or `None` if no tiers prove a bias below
-    `BIAS` with $A \\le 2^{-25}$ (a grid within a few dozen float32 steps of a
-    level's magnitude, or so near 0 that a tier's grid is subnormal)."""
+    r"""The grid's `Tiers` in `compute`, `proof`-checked, or `None` if they prove
+    no bias below `BIAS` with $A \le 2^{-25}$ (grids whose levels near float32's
+    underflow). Tiers are added, each on the finest grid of powers of two that
+    leaves it exact, until the rest is within $s/16$ over the grid."""
     compute = jnp.dtype(compute)
     fi = jnp.finfo(compute)
     p = int(fi.nmant) + 1
@@ -151,32 +199,26 @@ def tiers(bits: int, lo: float, hi: float, compute: Any) -> Tiers | None:
     while reach * abs(rest[0]) + abs(rest[1]) > step / 16:
         if len(exact) == _MAX_TIERS:
             return None
-        size = reach * abs(rest[0]) + abs(rest[1])
-        q = Fraction(2) ** (_exponent(size) + 1 - p)
-        while True:  # u·S + Λ: multiples of q below 2^p·q, so exact
+        q = Fraction(2) ** (_exponent(reach * abs(rest[0]) + abs(rest[1])) + 1 - p)
+        while True:
             s, v = (round(r / q) * q for r in rest)
             if reach * abs(s) + abs(v) < 2**p * q:
                 break
             q *= 2
-        if q < Fraction(float(fi.tiny)):
-            return None
         exact.append((s, v))
         rest = (rest[0] - s, rest[1] - v)
-    last = tuple(Fraction(round_to(r, compute)) for r in rest)
-    scale = n / (fhi - flo)
-    absolute, relative = _bound(
-        step, scale, reach, exact, rest, (last[0], last[1]), compute
-    )
     kind = np.dtype(compute).type
-    t = Tiers(
+    constants = (
         origin,
         tuple((kind(float(s)), kind(float(v))) for s, v in exact),
-        (kind(float(last[0])), kind(float(last[1]))),
-        kind(round_to(scale, compute)),
-        absolute,
-        relative,
+        tuple(kind(round_to(r, compute)) for r in rest),
+        kind(round_to(n / (fhi - flo), compute)),
     )
-    if absolute > Fraction(1, 2 ** (RESOLUTION + 1)) or t.bias >= BIAS:
+    bound = proof(*constants, bits, lo, hi, compute)
+    if bound is None:
+        return None
+    t = Tiers(*constants, *bound)  # pyright: ignore[reportArgumentType]
+    if t.absolute > Fraction(1, 2 ** (RESOLUTION + 1)) or t.bias >= BIAS:
         return None
     return t
 
@@ -197,7 +239,7 @@ def _two_sum(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 def residual(w: Array, index: Array, t: Tiers) -> Array:
-    """$\tilde g \approx (w - L_k)/s$ for the nearest index $k$ = `index` (an
+    r"""$\tilde g \approx (w - L_k)/s$ for the nearest index $k$ = `index` (an
     integer-valued float of `w`'s dtype), within the bound of `t`: the exact tiers
     subtracted exactly (TwoSum; their errors summed apart, being tiny), the last
     rounded, then the errors added back."""
@@ -266,13 +308,19 @@ def stochastic_quantize(
         g = residual(w, index, t)
     stay = stay.astype(x.dtype)
     other = level(jnp.clip(index + jnp.where(g < 0, -1, 1), *ends)).astype(x.dtype)
-    q = jnp.where(stochastic_move(g, random, resolution), other, stay)
-    # An input that is a level in its own dtype stays that level.
-    q = jnp.where(x == other, other, jnp.where(x == stay, stay, q))
+    q = choose(x, stay, other, stochastic_move(g, random, resolution))
     return jnp.where(inside, q, clipped.astype(x.dtype))
 
 
-def _level_table(bits: int, lo: float, hi: float, dtype: Any, parts: int) -> Array:
+def choose(x: Array, stay: Array, other: Array, move: Array) -> Array:
+    """`other` where `move`, else `stay` (levels in `x`'s dtype), but an input equal
+    to either of them is that level: a level stays."""
+    q = jnp.where(move, other, stay)
+    return jnp.where(x == other, other, jnp.where(x == stay, stay, q))
+
+
+@functools.lru_cache(maxsize=64)
+def _level_table(bits: int, lo: float, hi: float, dtype: Any, parts: int) -> np.ndarray:
     """`parts` rows: each exact level as a sum of `parts` numbers of `dtype`, each
     the rest rounded to nearest (shape `(parts, n + 1)`)."""
     n, flo, _, step = _fractions(bits, lo, hi)
@@ -282,7 +330,7 @@ def _level_table(bits: int, lo: float, hi: float, dtype: Any, parts: int) -> Arr
         row = [round_to(v, dtype) for v in rest]
         rest = [v - Fraction(r) for v, r in zip(rest, row)]
         rows.append(row)
-    return jnp.asarray(np.asarray(rows, dtype))
+    return np.asarray(rows, dtype)
 
 
 def reference_stochastic_quantize(
@@ -298,7 +346,7 @@ def reference_stochastic_quantize(
     n = 2**bits - 1
     w = x.astype(wide(x.dtype))
     k = reference_index(w, bits, lo, hi)
-    parts = _level_table(bits, lo, hi, w.dtype, 3)
+    parts = jnp.asarray(_level_table(bits, lo, hi, w.dtype, 3))
     a = w - parts[0][k]
     back = a - w
     error = (w - (a - back)) + (-parts[0][k] - back)

@@ -154,7 +154,7 @@ class _Grid(_Elementwise):
         r"""The two values each element of `x` may take with stochastic rounding,
         lower first, from the exact levels: $L \le x \le U$ rounded to `x`'s
         dtype (both `x` where it is one of them; the end level beyond the range)."""
-        return reference_neighbours(x, *self._grid())
+        return reference_neighbours(jnp.asarray(x), *self._grid())
 
     def slope(self, x: Array) -> Array:
         _, lo, hi = self._grid()
