@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +203,21 @@ def reference_stochastic_round_to(fmt: Format, y: Array, bits: Array) -> Array:
     u = (bits >> (32 - RESOLUTION)).astype(jnp.float32) * 2.0**-RESOLUTION
     pick = jnp.where(u < (a - lo) / (hi - lo), hi, lo)
     return jnp.where(jnp.isnan(y), y, jnp.copysign(pick, y))
+
+
+def extremes(
+    reference: Callable[[Array, Array], Array], x: Array
+) -> tuple[Array, Array]:
+    r"""The two values a stochastic rounding may give each element of `x`, lower
+    first: `reference(x, bits)` at all-zero bits and at all-one bits. With the
+    rounding of `stochastic_round_to`, $j = 0$ rounds up every magnitude with
+    $f > 0$, and $j = 2^{24} - 1$ rounds down every one with
+    $f \le 1 - 2^{-24}$, which is every $f < 1$: $2^{24} f$ is an integer, or, below
+    half the smallest subnormal, $f < 1/2$. (Not for the grids' rule,
+    `stochastic_move`, which steps from the nearest level.)"""
+    zeros = jnp.zeros(jnp.shape(x), jnp.uint32)
+    a, b = reference(x, zeros), reference(x, ~zeros)
+    return jnp.minimum(a, b), jnp.maximum(a, b)
 
 
 def reference_round_with(fmt: Format, y: Array, bits: Array | None) -> Array:

@@ -379,10 +379,12 @@ class StochasticRound(_Elementwise):
     ) -> Float[Array, "*shape"]:
         return self._with_bits(x, random_bits(key, jnp.shape(x)))
 
-    def _with_bits(self, x: Array, bits: Array) -> Array:
-        """The value, rounding with the uint32 `bits` (one per element of `x`)."""
+    def _with_bits(self, x: Array, bits: Array, resolution: int = RESOLUTION) -> Array:
+        """The value, rounding with the uint32 `bits` (one per element of `x`). (A
+        `resolution` other than `RESOLUTION` is for tests that count every `j`.)"""
         w = x.astype(wide(x.dtype))
-        return jnp.copysign(stochastic_floor(jnp.abs(w), bits), w).astype(x.dtype)
+        a = stochastic_floor(jnp.abs(w), bits, resolution)
+        return jnp.copysign(a, w).astype(x.dtype)
 
     def neighbours(self, x: Array) -> tuple[Array, Array]:
         """The two values each element of `x` may take, lower first: `floor(x)` and
