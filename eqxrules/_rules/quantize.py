@@ -156,10 +156,6 @@ class _Grid(_Elementwise):
         dtype (both `x` where it is one of them; the end level beyond the range)."""
         return reference_neighbours(jnp.asarray(x), *self._grid())
 
-    def slope(self, x: Array) -> Array:
-        _, lo, hi = self._grid()
-        return within(x, lo, hi)
-
     def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         if not self.needs_key():
             return reference_quantize(x, *self._grid())
@@ -272,6 +268,9 @@ class SteQuantize(_Grid):
     def _grid(self) -> tuple[int, float, float]:
         return self.bits, float(self.lo), float(self.hi)
 
+    def slope(self, x: Array) -> Array:
+        return within(x, self.lo, self.hi)
+
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SteQuantize]:
         return [
@@ -320,6 +319,9 @@ class DoReFa(_Grid):
 
     def _grid(self) -> tuple[int, float, float]:
         return self.bits, 0.0, 1.0
+
+    def slope(self, x: Array) -> Array:
+        return within(x, 0.0, 1.0)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[DoReFa]:
