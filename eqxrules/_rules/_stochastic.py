@@ -31,7 +31,6 @@ level with probability 1, though the exact level may differ from it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -178,7 +177,7 @@ def proof(
     exact_scale = n / (fhi - flo)
     if not tiers or Fraction(float(scale)) != Fraction(round_to(exact_scale, compute)):
         return None
-    rounded = tuple(Fraction(float(c)) for c in last)
+    rounded = (Fraction(float(last[0])), Fraction(float(last[1])))
     return _bound(step, exact_scale, reach, tiers, rest, rounded, compute)
 
 
@@ -270,7 +269,6 @@ def stochastic_quantize(
     w = x.astype(wide(x.dtype))
     lo, hi = float(lo), float(hi)
     path = plan(bits, lo, hi, w.dtype, x.dtype)
-    level: Callable[[Array], Array]
     if isinstance(path, Dyadic):
         clipped = jnp.clip(w, path.lo, path.hi)
         v = clipped * path.inverse

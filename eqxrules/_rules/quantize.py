@@ -124,6 +124,9 @@ class _Grid(_Elementwise):
     def _grid(self) -> tuple[int, float, float]:
         raise NotImplementedError
 
+    def slope(self, x: Array) -> Array:
+        raise NotImplementedError
+
     def kinks(self) -> tuple[float, ...]:
         return _quantizer_kinks(*self._grid())
 
@@ -369,8 +372,8 @@ class StochasticRound(_Elementwise):
     """
 
     summary: ClassVar[str] = (
-        "sign(x)·(floor|x| + [j < 2^24 frac|x|]), j 24 random bits (so E[q] = x, "
-        "exactly); derivative `t`"
+        "sign(x)·(floor|x| + [j < 2^24 frac|x|]), j 24 random bits (so E[q] = x within "
+        "2^-24); derivative `t`"
     )
 
     def kinks(self) -> tuple[float, ...]:
