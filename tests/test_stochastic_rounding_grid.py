@@ -63,7 +63,7 @@ GRIDS = {
     (8, -128.0, 127.0): ("dyadic", 1),
     (4, 0.0, 15.0): ("dyadic", 1),
     (13, 0.0, 1.0): ("table", 2),
-    (12, 1000.0, 1001.0): ("table", 2),  # levels far from 0
+    (10, 1000.0, 1001.0): ("formula", 2),  # levels far from 0
 }
 IDS = [f"{b}bits[{lo},{hi}]" for b, lo, hi in GRIDS]
 

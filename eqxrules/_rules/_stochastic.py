@@ -295,6 +295,7 @@ def stochastic_quantize(
 
         else:
             table = grid(bits, lo, hi, w.dtype, x.dtype)
+            assert table.bound < Fraction(1, 2), (bits, lo, hi)
             clipped = jnp.clip(w, table.levels[0], table.levels[-1])
             index = grid_index(w, table, n).astype(w.dtype)
 
