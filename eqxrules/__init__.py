@@ -1,7 +1,8 @@
 """eqxrules: custom derivative rules for JAX and Equinox, each declared once and
 checked against a reference."""
 
-from . import _rules, checks as checks, testing as testing
+from . import _rules, checks as checks, recipes as recipes, testing as testing
+from ._calibrate import calibrate as calibrate
 from ._catalogue import (
     Domain as Domain,
     ElementwiseRule as ElementwiseRule,
@@ -18,9 +19,10 @@ from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import (
     NonNegativeSignInputWarning as NonNegativeSignInputWarning,
     Quantized as Quantized,
-    calibrate as calibrate,
     quantize as quantize,
 )
+from ._lowp.dot import quantized_dot as quantized_dot
+from ._lowp.layer import Keyed as Keyed, QuantizedLinear as QuantizedLinear
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._verify import (
     RuleVerification as RuleVerification,
@@ -35,9 +37,11 @@ __all__ = [
     "ElementwiseRule",
     "Entry",
     "JVPRule",
+    "Keyed",
     "NonNegativeSignInputWarning",
     "PytreeRule",
     "Quantized",
+    "QuantizedLinear",
     "Rule",
     "RuleVerification",
     "RuleVerificationError",
@@ -50,6 +54,8 @@ __all__ = [
     "parameter",
     "partial_jvp",
     "quantize",
+    "quantized_dot",
+    "recipes",
     "testing",
     "verify_rule",
 ]

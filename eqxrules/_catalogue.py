@@ -32,11 +32,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from . import _registry
 from ._hyper import Invalid, check_fields, invalid_constructions
+from ._inputs import check_float_array
 from ._registry import Domain, Entry, catalogue, functional
 from ._typing import PyTree
 
@@ -500,81 +500,6 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
         is_leaf=lambda t: t is None,
     )
     return jtu.tree_map(lambda _: None, rule), ct_args
-
-
-def check_float_array(
-    rule: str, args: tuple[Any, ...], hint: str = "", argument: str = "x"
-) -> None:
-    """Raise a `TypeError` naming `rule` and its input `argument` unless `args` is
-    one floating-point array. Elementwise rules call it on every call; so may rules
-    that reduce an axis.
-
-    A list, tuple, string or `None` is rejected, not converted: `jnp`'s own
-    functions take no lists either (`jnp.sin([1.0])` is a `TypeError`), and a
-    rule's input is an array of one dtype. (A Python float is made an array
-    before this check, as `jnp` makes one.)"""
-    if len(args) != 1:
-        raise TypeError(f"`{rule}` takes one array argument, got {len(args)}{hint}.")
-    (x,) = args
-    if not _is_array_like(x):
-        raise TypeError(
-            f"`{rule}` expects a floating-point array for `{argument}`, got "
-            f"{_described(x)}. Convert it first, e.g. `jnp.asarray({argument})` (like "
-            "`jnp`'s functions, a rule does not convert lists)."
-        )
-    dtype = jnp.result_type(x)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        raise TypeError(
-            f"`{rule}` expects a floating-point array for `{argument}`, got dtype "
-            f"{dtype}. Cast it first, e.g. `{argument}.astype(jnp.float32)`."
-        )
-
-
-def _is_array_like(x: Any) -> bool:
-    """An array, a NumPy scalar, a Python number or an object JAX converts
-    (`__jax_array__`): what `jnp.sin` takes."""
-    return isinstance(
-        x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
-    ) or hasattr(x, "__jax_array__")
-
-
-def _described(x: Any) -> str:
-    """`x` as an error shows it: its type, and its value, shortened."""
-    if x is None:
-        return "None"
-    shown = repr(x)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return f"a {type(x).__name__} ({shown})"
-
-
-def check_axis(
-    rule: str, axis: int | tuple[int, ...], shape: tuple[int, ...], argument: str
-) -> None:
-    """Raise a `ValueError` naming `rule`, `axis` and the shape unless every axis in
-    `axis` indexes an array of `shape` (checked at call time: deep inside `jnp`, a
-    bad axis is an error naming neither)."""
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    if not all(-len(shape) <= a < len(shape) for a in axes):
-        raise ValueError(
-            f"`{rule}`: `axis` (={axis!r}) is out of range for `{argument}` of shape "
-            f"{tuple(shape)}."
-        )
-
-
-def check_broadcasts(rule: str, argument: str, value: Any, x_shape: Any) -> None:
-    """Raise a `ValueError` naming `rule` and `argument` unless `value` (a scale, a
-    clipping level) broadcasts to `x` of shape `x_shape` without changing it."""
-    shape = jnp.shape(value)
-    try:
-        ok = jnp.broadcast_shapes(x_shape, shape) == tuple(x_shape)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"`{rule}`: `{argument}` of shape {shape} must broadcast to `x` of shape "
-            f"{tuple(x_shape)}."
-        )
 
 
 __all__ = [

@@ -151,6 +151,19 @@ def one_of(*choices: Any) -> Check:
     )
 
 
+def fixed(value: int, why: str) -> Check:
+    """`value == value`, for a hyperparameter that a rule fixes: declared so that
+    the rule takes it like its kin (`NVFP4Quantize(block_size=16)`, as
+    `MXQuantize(block_size=32)`), and any other value is a `ValueError` that says
+    `why`, rather than Python's "unexpected keyword argument"."""
+    return Check(
+        f"be {value!r} ({why})",
+        lambda v, _: v == value,
+        bad=(value * 2,),
+        after=(integer,),
+    )
+
+
 def _is_number_or_array(v: Any) -> bool:
     if isinstance(v, (bool, np.bool_)):
         return False
@@ -387,6 +400,7 @@ __all__ = [
     "finite",
     "finite_everywhere",
     "finite_nonzero",
+    "fixed",
     "float_or_array",
     "function",
     "greater_than",

@@ -1,6 +1,6 @@
-"""Layers built from rules: `Quantized` wraps a layer with a `weight`, `quantize`
-wraps every such layer of a model, and `calibrate` initialises learned input
-quantisers from data.
+"""Layers built from rules: `Quantized` wraps a layer with a `weight`, and `quantize`
+wraps every such layer of a model (`calibrate`, in `_calibrate`, initialises learned
+input quantisers from data).
 
 `quantize` also warns (`NonNegativeSignInputWarning`) where a sign input
 quantiser provably sees only non-negative inputs (after an `eqx.nn.MLP`'s ReLU, say):
@@ -23,11 +23,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
-from jax.custom_batching import custom_vmap
 from jaxtyping import Array, PRNGKeyArray
 
 from ._catalogue import Rule, call_with_key
+from ._lowp.layer import quantize_with_recipe
+from ._lowp.recipes import Recipe
 from ._registry import catalogue
 
 _M = TypeVar("_M")
@@ -257,6 +257,7 @@ def quantize(
     *,
     kernel_quantizer: Quantizer | None = None,
     input_quantizer: Quantizer | None = None,
+    recipe: Recipe | None = None,
     where: Callable[[Any], bool] = _has_weight_layer,
 ) -> _M:
     """Wrap every matching layer of `model` in [`Quantized`][], by tree surgery
@@ -274,13 +275,20 @@ def quantize(
         its own learnable step (per output channel, the weight's axis 0 in
         `Linear` and `Conv1d/2d/3d`, if the quantiser has `axis=0`). A learned input
         quantiser is fitted with [`calibrate`][].
+    - `recipe`: instead of the quantisers, an [`eqxrules.recipes.Recipe`][]: each
+        matching `eqx.nn.Linear` (by default every one) computes its product with
+        [`quantized_dot`][], forward and backward quantised: it becomes a
+        [`QuantizedLinear`][]. Wrap the model in [`Keyed`][] to give each layer a
+        key at every call, as a recipe that draws random numbers needs.
     - `where`: a predicate choosing the layers to wrap. Default: every
-        `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`).
+        `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`); with
+        `recipe`, every `eqx.nn.Linear`.
 
     **Returns:**
 
     A copy of `model` with each matching layer `layer` replaced by
-    `Quantized(layer, kernel_quantizer=..., input_quantizer=...)`.
+    `Quantized(layer, kernel_quantizer=..., input_quantizer=...)`, or with `recipe`
+    by `QuantizedLinear(layer, recipe)`.
 
     **Raises:**
 
@@ -310,6 +318,12 @@ def quantize(
     """
     _check_quantizer("quantize", "kernel_quantizer", kernel_quantizer)
     _check_quantizer("quantize", "input_quantizer", input_quantizer)
+    if recipe is not None:
+        default = where is _has_weight_layer
+        quantizers = (kernel_quantizer, input_quantizer)
+        return quantize_with_recipe(
+            model, recipe, None if default else where, quantizers
+        )
 
     def is_leaf(node: Any) -> bool:
         return isinstance(node, Quantized) or where(node)
@@ -353,133 +367,6 @@ def _initialised(quantizer: Any, array: Array) -> Any:
     """`quantizer` fitted to `array` if it is learned (has `initialised_from`)."""
     fit = getattr(quantizer, "initialised_from", None)
     return quantizer if fit is None else fit(array)
-
-
-def calibrate(
-    model: _M, x: Any, *, vmap: bool = True, key: PRNGKeyArray | None = None
-) -> _M:
-    r"""Initialise every learned input quantiser of `model` from the input its layer
-    sees on a calibration batch `x`.
-
-    The model runs once, jitted, with each [`Quantized`][] layer's learned input
-    quantiser (one with an `initialised_from` method, as [`LSQ`][] and [`PACT`][]
-    have) replaced by a recorder that passes its input on unquantised and copies
-    it to the host (`jax.debug.callback`, once per call of the layer, the whole
-    batch at a time); each is then fitted to everything its layer saw, the
-    examples in the order of their bytes, so that the fit is the same bits on
-    every call (for `LSQ`, the step
-    $2\,\overline{\lvert v\rvert}/\sqrt{Q_p}$; for `PACT`, $\alpha = \max v$).
-    Weight quantisers are applied as they are.
-
-    **Arguments:**
-
-    - `model`: a model holding `Quantized` layers, e.g. from [`quantize`][].
-    - `x`: a batch of inputs.
-    - `vmap`: `True` (default) if `model` takes one example, so it is applied to
-        the batch with `jax.vmap`; `False` to call `model(x)` as it is (a model
-        that maps over the batch itself, with `jax.vmap` or otherwise).
-    - `key`: a PRNG key passed to the model, if it takes one.
-
-    **Returns:**
-
-    A copy of `model` with its learned input quantisers fitted. Unchanged if it has
-    none.
-
-    !!! Example
-
-        ```python
-        mlp = eqx.nn.MLP(64, 10, 128, 2, key=jax.random.key(0))
-        q = eqxrules.quantize(
-            mlp, kernel_quantizer=eqxrules.LSQ(1.0, bits=4, axis=0),
-            input_quantizer=eqxrules.LSQ(1.0, bits=4),
-        )
-        q = eqxrules.calibrate(q, x_train[:256])
-        ```
-    """
-
-    def is_quantized(node: Any) -> bool:
-        return isinstance(node, Quantized)
-
-    def learned(m: Any) -> list[Quantized]:
-        nodes = jtu.tree_leaves(m, is_leaf=is_quantized)
-        return [
-            n
-            for n in nodes
-            if is_quantized(n) and hasattr(n.input_quantizer, "initialised_from")
-        ]
-
-    layers = learned(model)
-    if not layers:
-        return model
-
-    # Each recorder sends its input to the host with `jax.debug.callback`, which
-    # works however the model maps over the batch (the calibration's `vmap`, the
-    # model's own, a `lax.scan`, ...). Under `vmap` it is called through
-    # `_recorder`, so that it sends the whole batch at once: `jax.debug.callback`
-    # alone sends one example at a time, a callback per example and layer, which
-    # made calibrating the digits MLP over 100 times slower.
-    seen: list[list[np.ndarray]] = [[] for _ in layers]
-
-    def recorder(i: int) -> Callable[[Array], Array]:
-        def record(batch: np.ndarray, batch_axes: int) -> None:
-            shape = batch.shape[batch_axes:]
-            seen[i].extend(np.asarray(batch).reshape(-1, *shape))
-
-        return _recorder(record, 0)
-
-    recording = eqx.tree_at(
-        lambda m: [n.input_quantizer for n in learned(m)],
-        model,
-        [recorder(i) for i in range(len(layers))],
-    )
-
-    def run(x: Any) -> Any:
-        return call_with_key(recording, x, key)  # pyright: ignore[reportArgumentType]
-
-    # One compiled program (eagerly, each operation would compile its own).
-    jax.block_until_ready(eqx.filter_jit(jax.vmap(run) if vmap else run)(x))
-    jax.effects_barrier()
-    fitted = []
-    for layer, inputs in zip(layers, seen):
-        if not inputs:
-            fitted.append(layer.input_quantizer)
-            continue
-        # Every example the layer saw, stacked along a new first axis (so an
-        # `axis` of an input quantiser is best counted from the end); flattened
-        # and joined if their shapes differ. The callbacks (one per call of the
-        # layer) arrive in no fixed order: put the examples in one (by their
-        # bytes), so that the fit, a sum in floating point, is the same bits on
-        # every call.
-        inputs = sorted(inputs, key=lambda a: (a.shape, a.tobytes()))
-        if len({a.shape for a in inputs}) == 1:
-            samples = jnp.asarray(np.stack(inputs))
-        else:
-            samples = jnp.asarray(np.concatenate([a.reshape(-1) for a in inputs]))
-        fitted.append(_initialised(layer.input_quantizer, samples))
-    return eqx.tree_at(lambda m: [n.input_quantizer for n in learned(m)], model, fitted)
-
-
-def _recorder(
-    record: Callable[[np.ndarray, int], None], batch_axes: int
-) -> Callable[[Array], Array]:
-    """The identity, sending its input to the host as `record(input, batch_axes)`:
-    the input as one array, whose first `batch_axes` axes are those of the
-    `vmap`s it is called under (each `vmap` adds one, in front), so that each
-    example's part of it is `input[i, j, ...]`."""
-
-    @custom_vmap
-    def identity(h: Array) -> Array:
-        jax.debug.callback(lambda a: record(a, batch_axes), h)
-        return h
-
-    @identity.def_vmap
-    def batched(axis_size: int, in_batched: list[bool], h: Array) -> Any:
-        # (`jax.debug.callback`'s own rule would call it once per example.)
-        (is_batched,) = in_batched
-        more = batch_axes + 1 if is_batched else batch_axes
-        return _recorder(record, more)(h), is_batched
-
-    return identity
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:

@@ -20,6 +20,7 @@ invalid constructions a rule must reject. A check of your own is a `Check(...)`.
 | `at_least_zero()` | be `>= 0` (infinity allowed) |
 | `greater_than(other)` | be greater than the hyperparameter `other` of the same Module |
 | `one_of(*choices)` | be one of `choices` |
+| `fixed(value, why)` | be `value`, which the rule fixes (`why` says why) |
 | `number_or_array` | be a number or a numeric array: `TypeError` |
 | `float_or_array` | be a real number or a floating-point array: `TypeError` |
 | `finite_nonzero` | be finite and non-zero everywhere (an array scale) |
@@ -39,6 +40,7 @@ from ._hyper import (
     finite as finite,
     finite_everywhere as finite_everywhere,
     finite_nonzero as finite_nonzero,
+    fixed as fixed,
     float_or_array as float_or_array,
     function as function,
     greater_than as greater_than,
@@ -60,6 +62,7 @@ __all__ = [
     "finite",
     "finite_everywhere",
     "finite_nonzero",
+    "fixed",
     "float_or_array",
     "function",
     "greater_than",

@@ -107,7 +107,7 @@ PA = "eqxrules/_rules/_paths.py"
 CAT = "eqxrules/_catalogue.py"
 LE = "eqxrules/_rules/learned.py"
 FMT = "eqxrules/_rules/_formats.py"
-FL = "eqxrules/_rules/floats.py"
+BL = "eqxrules/_rules/blocks.py"
 
 MUTATIONS = [
     # Flip a boundary from <= to < (or >= to >).
@@ -157,7 +157,7 @@ MUTATIONS = [
         "mx-scale-ceil",
         "block scale",
         "mx_quantize",
-        FL,
+        BL,
         "k = jnp.clip(exponent(amax) - fmt.emax, -127, 127)",
         "k = jnp.clip(jnp.ceil(jnp.log2(amax)).astype(jnp.int32) - fmt.emax, -127, 127)",
     ),

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import eqxrules
-from eqxrules._rules import _formats, floats
+from eqxrules._rules import _formats, blocks
 from eqxrules._rules._formats import FORMATS
 
 F32 = np.float32
@@ -82,9 +82,9 @@ def test_element_format_equals_ml_dtypes_on_every_input(fmt, dtype_name, scale):
 
 
 def _half_away_from_zero(fmt, y):
-    k = jnp.maximum(floats.exponent(y), fmt.emin) - fmt.mbits
-    v = y * floats.pow2(-k)
-    return jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5) * floats.pow2(k)
+    k = jnp.maximum(blocks.exponent(y), fmt.emin) - fmt.mbits
+    v = y * blocks.pow2(-k)
+    return jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5) * blocks.pow2(k)
 
 
 def test_planted_half_away_from_zero_rounding_is_caught(monkeypatch):
@@ -235,7 +235,7 @@ def test_planted_ceil_scale_is_caught(monkeypatch):
     `ceil` agrees with it (so the check can tell the two apart), the true rule
     does not."""
     ceil = lambda y: jnp.ceil(jnp.log2(y)).astype(jnp.int32)  # noqa: E731
-    monkeypatch.setattr(floats, "exponent", ceil)
+    monkeypatch.setattr(blocks, "exponent", ceil)
     assert _mx_mismatches("e2m1", 32, -1) > 0
     assert _mx_mismatches("e4m3", 4, 0) > 0
 

@@ -413,6 +413,18 @@ def test_input_that_is_not_an_array(entry, value):
     )
 
 
+def test_scaled_model_names_a_list_input():
+    """`ScaledModel` divides `x` before its sub-model sees it: a list is a
+    `TypeError` naming the rule and `x` (0.2.0 gave Python's "unsupported operand
+    type(s) for /"), while an integer array is divided as `jnp` divides it."""
+    entry = next(e for e in ENTRIES if e.module is eqxrules.ScaledModel)
+    rule = _examples(entry)[0]
+    with pytest.raises(
+        TypeError, match="`scaled_call` expects an array for `x`, got a list"
+    ):
+        rule([0.5, -1.0, 2.0])
+
+
 @pytest.mark.parametrize(
     "entry", [e for e in ENTRIES if e.module.pytree_input], ids=lambda e: e.name
 )

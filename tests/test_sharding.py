@@ -26,8 +26,9 @@ WORKER = ROOT / "tests" / "sharding_worker.py"
 # Run by the worker with `main(quick=True)`, and as a script by the slow test.
 EXAMPLE = "data_parallel"
 ENTRIES = eqxrules.catalogue()
-# One xdist worker takes every test here (`--dist loadgroup`), so the worker
-# subprocess runs once, not once per worker.
+# One xdist worker takes every test here (`--dist loadgroup`), and the fixture is
+# session-scoped, so the worker subprocess runs once, not once per worker (nor
+# again when that worker comes back to this module after another).
 pytestmark = pytest.mark.xdist_group("sharding")
 
 
@@ -42,7 +43,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sharded() -> dict:
     proc = subprocess.run(
         [sys.executable, str(WORKER)],
@@ -92,3 +93,57 @@ def test_data_parallel_script_sets_its_own_devices():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "split over 8 devices" in proc.stdout
     assert "loss matches the single-device run" in proc.stdout
+
+
+QDOT_RECIPES = (
+    "identity",
+    "mxfp8",
+    "fp8",
+    "nvfp4",
+    "nvfp4_1d_nearest_rht",
+    "stochastic_round",
+)
+PLANTED_QDOT = "planted_straddling_blocks"
+
+
+def test_quantized_dot_sharded_equals_one_device(sharded):
+    """Value and cotangents of a `vmap`ped `quantized_dot` under `jit`, the batch
+    sharded over 8 devices and on one, each within the float32 bound of the
+    reference (per-tensor scales over the whole batch)."""
+    results = sharded["quantized_dot"]
+    for name in (*QDOT_RECIPES, PLANTED_QDOT):
+        assert results[name]["failures"] == [], name
+
+
+def extra_collectives(ours: list, plain: list) -> list:
+    """The collectives of `ours` beyond `plain`'s (each `[op, operand sizes]`):
+    any op `plain` lacks, and any all-reduce of more than scalars that `plain`
+    does not have. Scalar all-reduces (a per-tensor scale's global amax) pass."""
+    ops = {op for op, _ in plain}
+    big = sorted(size for _, sizes in plain for size in sizes if size > 1)
+    extra = [c for c in ours if c[0] not in ops]
+    ours_big = sorted(
+        size for op, sizes in ours if op in ops for size in sizes if size > 1
+    )
+    if ours_big != big:
+        extra.append(["all-reduce sizes", ours_big])
+    return extra
+
+
+def test_quantized_dot_needs_no_collective_beyond_jnp_dots(sharded):
+    results = sharded["quantized_dot"]
+    for name in QDOT_RECIPES:
+        plain = results[name]["plain"]
+        assert plain == [["all-reduce", [64 * 64]]]  # the weight's cotangent, summed
+        assert extra_collectives(results[name]["collectives"], plain) == [], name
+    # NVFP4's per-tensor scales: all-reduces of four scalars in all (the global
+    # amax of x, dy and, rotated, of both again; XLA may combine them into one),
+    # nothing of the batch's size.
+    nvfp4 = results["nvfp4_1d_nearest_rht"]["collectives"]
+    scalars = [(op, size) for op, sizes in nvfp4 if max(sizes) == 1 for size in sizes]
+    assert scalars == [("all-reduce", 1)] * 4
+
+
+def test_the_collective_check_catches_blocks_straddling_devices(sharded):
+    planted = sharded["quantized_dot"][PLANTED_QDOT]
+    assert extra_collectives(planted["collectives"], planted["plain"]) != []

@@ -16,6 +16,7 @@ from . import (
     checker,
     exactness,
     overhead,
+    quantized_dot,
     residuals,
     suite,
     throughput,
@@ -34,4 +35,5 @@ SECTIONS = (
     throughput,
     exactness,
     unbiased,
+    quantized_dot,
 )

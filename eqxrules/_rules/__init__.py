@@ -12,6 +12,7 @@ from . import sign as sign
 from . import quantize as quantize
 from . import learned as learned
 from . import floats as floats
+from . import blocks as blocks
 from . import straight_through as straight_through
 from . import categorical as categorical
 from . import stop_gradient as stop_gradient

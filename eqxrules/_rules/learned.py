@@ -19,13 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from .._catalogue import (
-    Domain,
-    JVPRule,
-    check_axis,
-    check_broadcasts,
-    check_float_array,
-)
+from .._catalogue import Domain, JVPRule
 from .._hyper import (
     Check,
     at_least,
@@ -38,6 +32,7 @@ from .._hyper import (
     positive,
     positive_everywhere,
 )
+from .._inputs import check_axis, check_broadcasts, check_float_array
 from ._elementwise import masked_identity, sg, wide
 from ._exact import MAX_BITS
 from .quantize import _reference_round

@@ -10,15 +10,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
-from .._catalogue import (
-    Domain,
-    JVPRule,
-    call_with_key,
-    check_broadcasts,
-    functional,
-    partial_jvp,
-)
+from .._catalogue import Domain, JVPRule, call_with_key, functional, partial_jvp
 from .._hyper import finite_nonzero, function, hyperparameter, one_of
+from .._inputs import check_array, check_broadcasts
 from .._typing import PyTree
 
 Mode = Literal["exact", "skip_scale", "stop_input"]
@@ -83,6 +77,7 @@ class ScaledModel(JVPRule):
     def _check_call(self, args: tuple[Any, ...]) -> None:
         if len(args) != 1:
             raise TypeError(f"`ScaledModel` takes one input `x`, got {len(args)}.")
+        check_array(self.rule_name(), args)
         check_broadcasts("ScaledModel", "scale", self.scale, jnp.shape(args[0]))
 
     def primal(self, x: Array, *, key: PRNGKeyArray | None = None) -> PyTree:

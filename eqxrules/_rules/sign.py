@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._catalogue import ElementwiseRule, JVPRule, check_float_array
+from .._catalogue import ElementwiseRule, JVPRule
 from .._hyper import hyperparameter, non_negative, positive
+from .._inputs import check_float_array
 from ._elementwise import (
     _Elementwise,
     clip_kinks,

@@ -18,13 +18,13 @@ from .._catalogue import (
     JVPRule,
     PytreeRule,
     call_with_key,
-    check_axis,
     functional,
     map_tangent,
     no_tangent,
     partial_jvp,
 )
 from .._hyper import axis_indices, function, hyperparameter, non_negative
+from .._inputs import check_axis
 from .._typing import PyTree
 
 

@@ -1,0 +1,224 @@
+"""A recipe in a model: `QuantizedLinear` computes an `eqx.nn.Linear` with
+[`quantized_dot`][eqxrules.quantized_dot], and `Keyed` gives each of a model's
+`QuantizedLinear` layers its own key at every call. `quantize(model, recipe=...)`
+puts the layers in (`quantize_with_recipe`).
+
+How keys reach the layers. Most models call their layers without a key
+(`eqx.nn.MLP`, `eqx.nn.MultiheadAttention`'s projections), yet stochastic rounding
+and the Hadamard transform need a fresh one at every step. `Keyed` takes the key of
+its own call, splits it, and puts one part into each `QuantizedLinear` of a copy of
+the model that lives only for that call. The alternative, a key held in each layer
+and advanced by the user at every step, fails silently when the user forgets: the
+same draws every step, the "fixed key" bug that makes stochastic rounding biased
+over training. Here a stored model never holds a key, and a call without one, when
+the recipe needs one, is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PRNGKeyArray
+
+from .._catalogue import takes_key
+from .dot import FORWARD, INPUT_GRADIENT, length_error, quantized_dot
+from .recipes import Recipe, reads_key
+
+
+class QuantizedLinear(eqx.Module):
+    """An `eqx.nn.Linear` whose product is [`quantized_dot`][eqxrules.quantized_dot]
+    with `recipe`: the value is `quantized_dot(x, linear.weight.T, recipe=recipe,
+    key=key) + linear.bias`, the bias added in the output's precision, unquantised.
+    The float weight and bias are what is trained.
+
+    Built by [`quantize`][eqxrules.quantize] with `recipe=`. A recipe that draws
+    random numbers needs a key at every call: wrap the model in
+    [`Keyed`][eqxrules.Keyed], which gives each layer its own.
+
+    **Arguments:**
+
+    - `linear`: the `eqx.nn.Linear`. Its `in_features` must be divisible by the
+        blocks of the forward product and its `out_features` by those of the
+        input-gradient product (a `ValueError` otherwise).
+    - `recipe`: an [`eqxrules.recipes.Recipe`][].
+    - `key`: a key to use when the call gives none (set by `Keyed` for one call;
+        leave it `None`).
+    """
+
+    linear: eqx.nn.Linear
+    recipe: Recipe = eqx.field(static=True)
+    key: PRNGKeyArray | None = None
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.linear, eqx.nn.Linear):
+            raise TypeError(
+                f"`QuantizedLinear`: `linear` (a {type(self.linear).__name__}) must "
+                "be an `eqx.nn.Linear`."
+            )
+        check_layer(self.linear, self.recipe, "`QuantizedLinear`'s `linear`")
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        """**Arguments:**
+
+        - `x`: the input, `[in_features]` (or `[..., in_features]`; `()` for
+            `in_features="scalar"`).
+        - `key`: a PRNG key, if the recipe needs one (else ignored); defaults to
+            the layer's own `key`.
+
+        **Returns:**
+
+        The layer's output, `[out_features]` (`()` for `out_features="scalar"`).
+        """
+        key = self.key if key is None else key
+        random = reads_key(self.recipe.products())
+        if random and key is None:
+            raise TypeError(
+                f"`QuantizedLinear`: its recipe draws random numbers "
+                f"({', '.join(random)}), so the layer needs a PRNG key: wrap the "
+                "model in `eqxrules.Keyed` and call it with `key=` (it gives each "
+                "layer its own), or call this layer with `key=`."
+            )
+        linear = self.linear
+        if linear.in_features == "scalar":
+            x = jnp.reshape(x, (*jnp.shape(x), 1))
+        y = quantized_dot(x, linear.weight.T, recipe=self.recipe, key=key)
+        if linear.bias is not None:
+            y = y + linear.bias
+        return y[..., 0] if linear.out_features == "scalar" else y
+
+
+def check_layer(linear: eqx.nn.Linear, recipe: Recipe, name: str) -> None:
+    """A `ValueError` naming the layer as `name` unless the forward product's blocks
+    divide its `in_features` and the input-gradient product's its
+    `out_features`; a `TypeError` unless `recipe` is a recipe."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"`quantize`: `recipe` (={recipe!r}) must be an "
+            "`eqxrules.recipes.Recipe`, e.g. `eqxrules.recipes.mxfp8()`."
+        )
+    n_out, n_in = linear.weight.shape
+    products = recipe.products()
+    for spec, layout, length in (
+        (products.fwd, FORWARD, n_in),
+        (products.dx, INPUT_GRADIENT, n_out),
+    ):
+        message = length_error(spec, layout, length)
+        if message is not None:
+            raise ValueError(f"{message} (in {name}, weight shape {(n_out, n_in)})")
+
+
+def _is_layer(node: Any) -> bool:
+    return isinstance(node, QuantizedLinear)
+
+
+def _layers(model: Any) -> list[QuantizedLinear]:
+    return [n for n in jtu.tree_leaves(model, is_leaf=_is_layer) if _is_layer(n)]
+
+
+class Keyed(eqx.Module):
+    """A model whose [`QuantizedLinear`][eqxrules.QuantizedLinear] layers each get a
+    key of their own at every call, whether or not the model passes keys to its
+    layers (`eqx.nn.MLP` does not).
+
+    Called as `keyed(*args, key=key, **kwargs)`: `key` is split into one key per
+    `QuantizedLinear` (in the order of the model's leaves) and one more, passed to
+    the model itself if it takes a `key` (for its dropout, say). Each layer's key
+    lives in a copy of the model made for this call only, so the stored model
+    never holds one: a call without `key`, when a layer's recipe needs one, is a
+    `TypeError`, never the same draws step after step. (The alternative, a key
+    kept in each layer and advanced by the user at every step, fails silently
+    when a step forgets: stochastic rounding with the same draws at every step is
+    biased over training. The price of the wrapper: the model is reached as
+    `keyed.model`.)
+
+    Under `jax.vmap`, give every example the same key
+    (`jax.vmap(lambda x: keyed(x, key=key))(xs)`): a layer's products then run on
+    the whole batch with that one key, as [`quantized_dot`][eqxrules.quantized_dot]
+    on the batch would. A layer called several times within one call (weights
+    shared across positions, a `lax.scan` over time) gets the same key each time:
+    each product is still unbiased, but the draws repeat across those calls; call
+    the layer with `key=` yourself if that matters.
+
+    **Arguments:**
+
+    - `model`: any model; its `QuantizedLinear` layers are the ones keyed.
+    """
+
+    model: Any
+
+    def __call__(self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any):
+        """**Arguments:** the model's own, and `key`, a PRNG key (required when a
+        layer's recipe draws random numbers).
+
+        **Returns:** the model's output.
+        """
+        model = self.model
+        if key is None:
+            return model(*args, **kwargs)
+        layers = _layers(model)
+        keys = jax.random.split(key, len(layers) + 1)
+        model = eqx.tree_at(
+            lambda m: [layer.key for layer in _layers(m)],
+            model,
+            list(keys[:-1]),
+            is_leaf=lambda node: node is None,
+        )
+        if takes_key(model):
+            return model(*args, key=keys[-1], **kwargs)
+        return model(*args, **kwargs)
+
+
+def quantize_with_recipe(
+    model: Any,
+    recipe: Recipe,
+    where: Callable[[Any], bool] | None,
+    quantizers: tuple[Any, Any] = (None, None),
+) -> Any:
+    """`quantize(model, recipe=recipe, where=where)`: every `eqx.nn.Linear` that
+    `where` selects (all by default) becomes a `QuantizedLinear`. `quantizers` are `quantize`'s other two arguments,
+    which must be `None`."""
+    if quantizers != (None, None):
+        raise ValueError(
+            "`quantize`: give `recipe` or the quantisers (`kernel_quantizer`, "
+            "`input_quantizer`), not both: a recipe quantises the weight and the "
+            "input itself."
+        )
+    select = where or (lambda node: isinstance(node, eqx.nn.Linear))
+
+    def is_leaf(node: Any) -> bool:
+        return _is_layer(node) or select(node)
+
+    nodes = jtu.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
+    targets = [(p, n) for p, n in nodes if not _is_layer(n) and select(n)]
+    if not targets and not any(_is_layer(n) for _, n in nodes):
+        raise ValueError(
+            f"`quantize`: no layer of `model` (a {type(model).__name__}) matches "
+            "`where`."
+        )
+    for path, layer in targets:
+        name = f"the layer at `model{jtu.keystr(path)}`" if path else "`model`"
+        if not isinstance(layer, eqx.nn.Linear):
+            raise TypeError(
+                f"`quantize`: `recipe` computes `eqx.nn.Linear` layers; {name} is a "
+                f"{type(layer).__name__}: leave it out with `where=`."
+            )
+        check_layer(layer, recipe, name)
+    paths = {p for p, _ in targets}
+
+    def chosen(m: Any) -> list[Any]:
+        # By path: `tree_at` calls this on a copy of `model` whose arrays are
+        # replaced, where a `where` testing values or identity would fail.
+        found = jtu.tree_flatten_with_path(m, is_leaf=_is_linear)[0]
+        return [n for p, n in found if p in paths]
+
+    wrapped = [QuantizedLinear(layer, recipe) for _, layer in targets]
+    return eqx.tree_at(chosen, model, wrapped) if targets else model
+
+
+def _is_linear(node: Any) -> bool:
+    return isinstance(node, (eqx.nn.Linear, QuantizedLinear))

@@ -1,0 +1,338 @@
+r"""Block-scaled float quantisers: OCP MX (MXFP8, MXFP6, MXFP4) and NVIDIA's NVFP4,
+blocks of consecutive elements along one axis (or 16x16 tiles over two) sharing a
+scale, elements in an FP8/FP6/FP4 format (see `floats`), with straight-through
+derivatives, the scales held fixed. (Notation: see `_elementwise`.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._catalogue import Domain, JVPRule
+from .._hyper import at_least, axis_index, fixed, hyperparameter, integer
+from .._inputs import check_axis, check_float_array
+from ._formats import (
+    FORMATS,
+    divide,
+    exponent,
+    extremes,
+    pow2,
+    reference_round_to,
+    reference_round_with,
+    round_to,
+    round_with,
+)
+from .floats import (
+    _F32,
+    _bits,
+    _reference_bits,
+    element_format,
+    pair_of_axes,
+    rounding_mode,
+)
+
+
+def _to_blocks(x: Array, axis: int | tuple[int, int], size: int) -> Array:
+    """`x` with `axis` moved last and split into blocks of `size`: shape
+    `(..., n // size, size)`. For two axes, blocks of `size` x `size` over both,
+    flattened: shape `(..., n0 // size, n1 // size, size * size)`."""
+    if isinstance(axis, int):
+        x = jnp.moveaxis(x, axis, -1)
+        return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+    x = jnp.moveaxis(x, axis, (-2, -1))
+    *lead, n0, n1 = x.shape
+    x = x.reshape(*lead, n0 // size, size, n1 // size, size).swapaxes(-3, -2)
+    return x.reshape(*lead, n0 // size, n1 // size, size * size)
+
+
+def _from_blocks(b: Array, axis: int | tuple[int, int], like: Array) -> Array:
+    if isinstance(axis, int):
+        moved = jnp.moveaxis(like, axis, -1).shape
+        return jnp.moveaxis(b.reshape(moved), -1, axis)
+    *lead, n0, n1 = jnp.moveaxis(like, axis, (-2, -1)).shape
+    size = math.isqrt(b.shape[-1])
+    b = b.reshape(*lead, n0 // size, n1 // size, size, size).swapaxes(-3, -2)
+    return jnp.moveaxis(b.reshape(*lead, n0, n1), (-2, -1), axis)
+
+
+class _Blocked(JVPRule):
+    """A quantiser on blocks of `block_size` consecutive elements along `axis` (each
+    subclass's fields): not elementwise (it takes one floating-point array whose
+    `axis` the block divides), with the straight-through derivative, the scales
+    held fixed."""
+
+    elementwise: ClassVar[bool] = False
+    domain: ClassVar[Domain] = Domain(shape=(4, 32))
+
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        check_float_array(self.rule_name(), args)
+        axis = getattr(self, "axis")
+        shape = tuple(jnp.shape(args[0]))
+        check_axis(self.rule_name(), axis, shape, "x")
+        axes = (axis,) if isinstance(axis, int) else axis
+        if len({a % len(shape) for a in axes}) < len(axes):
+            raise ValueError(
+                f"`{self.rule_name()}`: `axis` (={axis!r}) must name two different "
+                f"axes of `x` (shape {shape})."
+            )
+        for a in axes:
+            self.check_length(shape[a], a, f"`x` (shape {shape})")
+
+    def check_length(self, length: int, axis: int, where: str) -> None:
+        """A `ValueError` naming the rule, the block, `axis` and `where` unless the
+        block divides `length`."""
+        size = getattr(self, "block_size")
+        if length % size:
+            raise ValueError(
+                f"`{self.rule_name()}`: `block_size` (={size}) must divide the length of the "
+                f"blocked axis, axis {axis} of {where}, whose length is {length}."
+            )
+
+    def for_reduction_axis(self, axis: int, length: int, where: str) -> _Blocked:
+        """This quantiser with its blocks along `axis` (of length `length`, in
+        `where`): how `Quantized` puts weight and input blocks along a layer's
+        reduction dimension."""
+        self.check_length(length, axis, where)
+        if isinstance(getattr(self, "axis"), tuple):  # square blocks: both axes
+            return self
+        return dataclasses.replace(self, axis=axis)  # pyright: ignore[reportCallIssue]
+
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
+        (t,) = t_args
+        return t
+
+    def reference_derivative(
+        self, x: Array, *, key: PRNGKeyArray | None = None
+    ) -> Array:
+        return x
+
+    def needs_key(self) -> bool:
+        """`True` with `rounding="stochastic"`: then called with `key=`."""
+        return getattr(self, "rounding") == "stochastic"
+
+    def primal(
+        self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*shape"]:
+        return self._with_bits(x, _bits(self, x, key))
+
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+        """The value, rounding the elements stochastically with `bits` (one uint32
+        per element of `x`), or to nearest where `bits` is `None`."""
+        raise NotImplementedError
+
+    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        return self._reference(x, _reference_bits(self, x, key))
+
+    def _reference(self, x: Array, bits: Array | None) -> Array:
+        """The reference value, rounding as `_with_bits` does."""
+        raise NotImplementedError
+
+    def neighbours(self, x: Array) -> tuple[Array, Array]:
+        """The two values each element of `x` may take with `rounding="stochastic"`,
+        lower first (see `extremes`), with the scales of rounding to nearest."""
+        return extremes(self._reference, jnp.asarray(x))
+
+
+class MXQuantize(_Blocked):
+    r"""Microscaling (OCP MX v1.0) fake quantisation: MXFP8, MXFP6 or MXFP4, with
+    the straight-through estimator. Blocks of `block_size` consecutive elements
+    along `axis` share a power-of-two scale (E8M0).
+
+    For a block $b$ with $a = \max_i \lvert b_i \rvert$ and $e_\max$ the element
+    format's largest exponent (8, 15, 4, 2, 2 for e4m3, e5m2, e3m2, e2m3, e2m1):
+
+    $$X = \operatorname{clip}\big(2^{\lfloor \log_2 a \rfloor - e_\max},\,
+    2^{-127},\, 2^{127}\big), \qquad
+    q_i = X \cdot \operatorname{round}_{\mathrm{fmt}}\!\big(
+    \operatorname{clip}(b_i / X, -M, M)\big), \qquad \dot q = t$$
+
+    An all-zero block stays zero (with its signs). A NaN or $\pm\infty$ in a block
+    makes that whole block NaN (the spec's NaN scale) and leaves the other blocks
+    alone. The derivative is straight-through, the scales held fixed (no gradient
+    through $a$), as torchao's MX QAT does. Computed in float32; the output has
+    the input's dtype. Not elementwise: the length of `axis` must be a multiple of
+    `block_size` (else a `ValueError`). XLA flushes float32 subnormals on CPU and
+    GPU, so in a block whose largest magnitude is below about $2^{-100}$ a result
+    that would be subnormal may be a zero of its sign.
+
+    In [`Quantized`][] and [`quantize`][], blocks run along the layer's reduction
+    (input) dimension, whatever `axis` says: the input axis of a `Linear` weight
+    and the input-channel axis of a `Conv` weight, and the feature (channel) axis
+    of the layer's input, as MX hardware expects.
+
+    **Arguments:**
+
+    - `format`: the element format: `"e4m3"` or `"e5m2"` (MXFP8), `"e3m2"` or
+        `"e2m3"` (MXFP6), `"e2m1"` (MXFP4).
+    - `block_size`: elements per block, a positive integer (32 in the spec).
+    - `axis`: the axis the blocks run along.
+    - `rounding`: `"nearest"` (ties to even) or `"stochastic"`: each $b_i / X$
+        rounded stochastically as in [`FloatQuantize`][] (unbiased, 24 random
+        bits, `key=` needed at call); the scales $X$ are those of rounding to
+        nearest.
+
+    !!! Example
+
+        ```python
+        x = jnp.linspace(-1.0, 1.0, 64).reshape(2, 32)
+        eqxrules.mx_quantize(x)  # MXFP4: each row one block, 15 levels
+        ```
+    """
+
+    format: str = hyperparameter("e2m1", element_format)
+    block_size: int = hyperparameter(32, at_least(1, integer))
+    axis: int = hyperparameter(-1, axis_index)
+    rounding: str = hyperparameter("nearest", rounding_mode)
+
+    summary: ClassVar[str] = (
+        "OCP MX: blocks of block_size along axis share the scale "
+        "X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)), nearest or "
+        "unbiased stochastic (`rounding`); derivative `t`"
+    )
+    functional_name: ClassVar[str] = "mx_quantize"
+
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+        fmt = FORMATS[self.format]
+        b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
+        amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+        k = jnp.clip(exponent(amax) - fmt.emax, -127, 127)
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, self.block_size)
+        q = round_with(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max), bits)
+        # `2^k` in two steps: `2^-127` is subnormal, which XLA may flush to zero.
+        out = q * pow2(k + 1) * 0.5
+        out = jnp.where(jnp.isfinite(amax), out, jnp.nan)
+        return _from_blocks(out, self.axis, x).astype(x.dtype)
+
+    def _reference(self, x: Array, bits: Array | None) -> Array:
+        fmt = FORMATS[self.format]
+        b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
+        amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+        _, e = jnp.frexp(amax)  # amax = m·2^e with m in [1/2, 1)
+        k = jnp.clip(e - 1 - fmt.emax, -127, 127)
+        y = jnp.ldexp(b, -k)
+        y = jnp.where(y > fmt.max, fmt.max, jnp.where(y < -fmt.max, -fmt.max, y))
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, self.block_size)
+        out = jnp.ldexp(reference_round_with(fmt, y, bits), k)
+        out = jnp.where(jnp.isnan(amax) | (amax == jnp.inf), jnp.nan, out)
+        return _from_blocks(out, self.axis, x).astype(x.dtype)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[MXQuantize]:
+        return [
+            cls(),
+            cls(format="e4m3", block_size=4, axis=0),
+            cls(format="e3m2", block_size=8, rounding="stochastic"),
+        ]
+
+
+class NVFP4Quantize(_Blocked):
+    r"""NVIDIA's NVFP4 fake quantisation: FP4 (e2m1) elements in blocks of 16 along
+    `axis`, each block with an FP8 (e4m3) scale, under one float32 scale for the
+    whole array; the straight-through estimator.
+
+    With $A = \max \lvert x \rvert$ over the whole array and, for each block $b$,
+    $a = \max_i \lvert b_i \rvert$:
+
+    $$t = \frac{A}{448 \cdot 6}, \qquad
+    s = \operatorname{round}_{\mathrm{e4m3}}\!\Big(\frac{a / 6}{t}\Big), \qquad
+    d = t \cdot s, \qquad
+    q_i = d \cdot \operatorname{round}_{\mathrm{e2m1}}\!\big(
+    \operatorname{clip}(b_i / d, -6, 6)\big), \qquad \dot q = t$$
+
+    each operation rounded to float32. A block whose scale $s$ is 0 (all zero, or
+    $a / 6 / t \le 2^{-10}$, below half e4m3's smallest subnormal) gives zeros. A
+    NaN or $\pm\infty$ anywhere makes the whole output NaN (the tensor scale is not
+    finite). The derivative is straight-through, the scales held fixed (no
+    gradient through $A$ or $a$), as torchao's NVFP4 QAT does. Computed in
+    float32; the output has the input's dtype. Not elementwise: the length of
+    `axis` must be a multiple of 16 (else a `ValueError`). In [`Quantized`][] the
+    blocks run along the layer's reduction dimension, as for [`MXQuantize`][].
+
+    With two axes, `axis=(0, 1)`, each block is a 16×16 square over both
+    (Transformer Engine's 2-D quantisation of weights): the same quantised
+    matrix whichever of its axes a product reduces.
+
+    **Arguments:**
+
+    - `block_size`: 16, fixed by the format (any other value is a `ValueError`;
+        declared so that NVFP4 is built like [`MXQuantize`][]).
+    - `axis`: the axis the blocks run along, or two axes for 16×16 blocks.
+    - `rounding`: `"nearest"` (ties to even) or `"stochastic"`: each $b_i / d$
+        rounded stochastically as in [`FloatQuantize`][] (unbiased, 24 random
+        bits, `key=` needed at call), as NVIDIA's recipe rounds gradients; the
+        scales $t$ and $d$ are those of rounding to nearest.
+
+    !!! Example
+
+        ```python
+        x = jnp.linspace(-1.0, 1.0, 32).reshape(2, 16)
+        eqxrules.nvfp4_quantize(x)
+        ```
+    """
+
+    block_size: int = hyperparameter(16, fixed(16, "the NVFP4 format fixes it"))
+    axis: int | tuple[int, int] = hyperparameter(-1, pair_of_axes)
+    rounding: str = hyperparameter("nearest", rounding_mode)
+
+    # Room for 16×16 blocks (the examples' `axis=(0, 1)`).
+    domain: ClassVar[Domain] = Domain(shape=(16, 16))
+    summary: ClassVar[str] = (
+        "NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3("
+        "amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or "
+        "unbiased stochastic (`rounding`); derivative `t`"
+    )
+    functional_name: ClassVar[str] = "nvfp4_quantize"
+
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+        e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
+        w = x.astype(_F32)
+        t = divide(jnp.max(jnp.abs(w), initial=0.0), 448.0 * 6)
+        b = _to_blocks(w, self.axis, self.block_size)
+        a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+        s = round_to(e4m3, jnp.clip(divide(divide(a, 6.0), t), 0.0, 448.0))
+        d = t * s
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, self.block_size)
+        q = round_with(e2m1, jnp.clip(divide(b, d), -6.0, 6.0), bits) * d
+        q = jnp.where(s > 0, q, b * 0)
+        q = jnp.where(jnp.isfinite(t), q, jnp.nan)
+        return _from_blocks(q, self.axis, x).astype(x.dtype)
+
+    def _reference(self, x: Array, bits: Array | None) -> Array:
+        e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
+        w = x.astype(_F32)
+        b = _to_blocks(w, self.axis, 16)
+        A = jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True)
+        A = jnp.max(A, axis=tuple(range(A.ndim - 2)), keepdims=True, initial=0.0)
+        t = divide(A, 2688.0)
+        a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+        r = divide(divide(a, 6.0), t)
+        s = reference_round_to(e4m3, jnp.where(r > 448.0, 448.0, r))
+        d = t * s
+        y = divide(b, d)
+        y = jnp.where(y > 6.0, 6.0, jnp.where(y < -6.0, -6.0, y))
+        if bits is not None:
+            bits = _to_blocks(bits, self.axis, 16)
+        live = s > 0  # false where s is 0, or NaN (an all-zero array: t = 0)
+        q = reference_round_with(e2m1, y, bits) * d
+        out = jnp.where(live, q, jnp.zeros_like(b) * b)
+        out = jnp.where(jnp.isnan(t) | (t == jnp.inf), jnp.nan, out)
+        return _from_blocks(out, self.axis, x).astype(x.dtype)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[NVFP4Quantize]:
+        return [cls(), cls(rounding="stochastic"), cls(axis=(0, 1))]

@@ -1,0 +1,82 @@
+"""`quantized_dot` costs what the same steps cost written by hand, as XLA counts it
+(issue 19 §6): inside a jitted `value_and_grad` with respect to `x` and `w`, on
+the whole batch and under `jax.vmap` over the examples, its flops and temp bytes
+are at most those of `benchmarks.sections.quantized_dot.hand_written` (one plain
+`jax.custom_vjp`, the recipe's public quantisers along each product's reduced
+axis, `lax.dot_general`). Deterministic figures (`cost_analysis()`,
+`memory_analysis()`), no wall clock; `python -m benchmarks --only quantized_dot`
+reports them, with wall time, at realistic shapes.
+
+The planted defect beside the check: `quantized_dot` quantising each operand twice
+(`Q(Q(a))`, which XLA cannot fold), caught: its flops (FP8 and NVFP4), and its
+temp bytes (NVFP4)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks.sections import quantized_dot as section
+from eqxrules._lowp import dot
+
+SHAPE = (64, 64, 32)  # M, K, N: every block (16, 32, 16x16) divides each
+
+
+def _costs(recipe, figures=None) -> dict[str, tuple[float, int]]:
+    figures = figures or section.measure(recipe, SHAPE)
+    return {v: (f["flops"], f["temp"]) for v, f in figures.items()}
+
+
+def _over(costs: dict[str, tuple[float, int]]) -> dict[str, list[str]]:
+    """For each way of calling `quantized_dot`, the figures above the hand-written
+    composition's: the check, empty when it passes."""
+    hand = costs["hand"]
+    return {
+        mode: [
+            figure
+            for figure, ours, theirs in zip(("flops", "temp"), costs[mode], hand)
+            if ours > section.XLA_TARGET * theirs
+        ]
+        for mode in ("eqxrules", "vmapped")
+    }
+
+
+@pytest.mark.parametrize("name", section.RECIPES)
+def test_quantized_dot_costs_no_more_than_hand_written(name):
+    recipe = section.RECIPES[name]
+    figures = section.measure(recipe, SHAPE)
+    costs = _costs(recipe, figures)
+    assert _over(costs) == {"eqxrules": [], "vmapped": []}, costs
+    # The baseline is the same maths: value and gradients bit for bit.
+    args = section.problem(recipe, SHAPE)
+    hand = jax.tree.leaves(figures["hand"]["compiled"](*args))
+    for mode in ("eqxrules", "vmapped"):
+        ours = jax.tree.leaves(figures[mode]["compiled"](*args))
+        assert all(np.array_equal(a, b) for a, b in zip(ours, hand)), mode
+
+
+@pytest.fixture
+def quantised_twice(monkeypatch):
+    """The planted defect: every operand of `quantized_dot` quantised twice (the
+    products' compiled cache replaced, so that the patch is traced)."""
+    once = dot._quantise
+
+    def twice(q, a, axis, key):
+        return once(q, once(q, a, axis, key), axis, key)
+
+    def evaluate(*args):
+        return dot._evaluate(*args)
+
+    monkeypatch.setattr(dot, "_quantise", twice)
+    monkeypatch.setattr(dot, "_compiled", jax.jit(evaluate, static_argnums=(0, 1)))
+
+
+def test_planted_operand_quantised_twice_is_caught(quantised_twice):
+    plain = "nvfp4(), no SR, no RHT"
+    over = {n: _over(_costs(section.RECIPES[n])) for n in ("fp8()", plain)}
+    for name, modes in over.items():
+        assert modes["eqxrules"] == modes["vmapped"], name
+        assert "flops" in modes["eqxrules"], (name, modes)
+    # The temp bytes too, for NVFP4 (which figure a defect moves is XLA's to say).
+    assert "temp" in over[plain]["eqxrules"], over

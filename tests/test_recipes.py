@@ -1,0 +1,190 @@
+"""The recipes (data: what each named one holds, immutability, `dataclasses.replace`,
+validation) and a recipe in a model: `quantize(model, recipe=...)`,
+`QuantizedLinear` and `Keyed` (issue 19 §3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+import eqxrules
+from eqxrules import recipes
+from eqxrules._hyper import invalid_constructions
+
+KEY = jax.random.key(3)
+MX = eqxrules.MXQuantize(format="e4m3", block_size=32)
+KEYED = recipes.nvfp4()  # stochastic rounding and a Hadamard transform: needs a key
+
+
+def test_mxfp8_is_every_operand_in_mx_blocks():
+    p = recipes.mxfp8().products()
+    for product in (p.fwd, p.dx, p.dw):
+        assert (product.lhs, product.rhs, product.hadamard) == (MX, MX, None)
+    e5m2 = dataclasses.replace(MX, format="e5m2")
+    hybrid = dataclasses.replace(recipes.mxfp8(), gradient_format="e5m2").products()
+    assert (hybrid.dx.lhs, hybrid.dx.rhs, hybrid.dw.lhs, hybrid.dw.rhs) == (
+        e5m2,
+        MX,
+        MX,
+        e5m2,
+    )
+
+
+def test_nvfp4_is_transformer_engines_recipe():
+    nv, sr = eqxrules.NVFP4Quantize(), eqxrules.NVFP4Quantize(rounding="stochastic")
+    square = eqxrules.NVFP4Quantize(axis=(0, 1))
+    p = recipes.nvfp4().products()
+    assert (p.fwd.lhs, p.fwd.rhs, p.fwd.hadamard) == (nv, square, None)
+    assert (p.dx.lhs, p.dx.rhs, p.dx.hadamard) == (sr, square, None)
+    assert (p.dw.lhs, p.dw.rhs, p.dw.hadamard) == (nv, sr, 16)
+
+
+def test_nvfp4_parts_can_be_turned_off():
+    nv = eqxrules.NVFP4Quantize()
+    off = dataclasses.replace(
+        recipes.nvfp4(),
+        square_weight_blocks=False,
+        gradient_rounding="nearest",
+        hadamard=None,
+    ).products()
+    for product in (off.fwd, off.dx, off.dw):
+        assert (product.lhs, product.rhs, product.hadamard) == (nv, nv, None)
+
+
+def test_fp8_is_current_scaling_per_tensor():
+    e4m3 = eqxrules.FloatQuantize(format="e4m3", scale="amax")
+    e5m2 = eqxrules.FloatQuantize(format="e5m2", scale="amax")
+    p = recipes.fp8().products()
+    assert ((p.fwd.lhs, p.fwd.rhs), (p.dx.lhs, p.dx.rhs), (p.dw.lhs, p.dw.rhs)) == (
+        (e4m3, e4m3),
+        (e5m2, e4m3),
+        (e4m3, e5m2),
+    )
+
+
+def test_recipes_are_immutable_static_data():
+    for r in (recipes.mxfp8(), recipes.fp8(), KEYED, recipes.identity()):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            r.hadamard = None  # type: ignore[misc]
+        assert jtu.tree_leaves(r) == []  # nothing for an optimiser or a tracer
+        assert r == dataclasses.replace(r) and hash(r) == hash(dataclasses.replace(r))
+    # As a static argument of `jit`: one compiled program per recipe.
+    f = jax.jit(
+        lambda x, recipe: eqxrules.quantized_dot(x, x, recipe=recipe), static_argnums=1
+    )
+    assert f(jnp.eye(32), recipes.mxfp8()).shape == (32, 32)
+
+
+@pytest.mark.parametrize(
+    "valid",
+    [
+        recipes.mxfp8(),
+        recipes.nvfp4(),
+        recipes.Product(MX, None, hadamard=16),
+        recipes.Custom(),
+    ],
+    ids=lambda r: type(r).__name__,
+)
+def test_bad_recipes_are_clear_errors(valid):
+    rows = invalid_constructions(valid)
+    assert rows
+    name = type(valid).__name__
+    for row in rows:
+        with pytest.raises(row.error) as info:
+            type(valid)(**row.kwargs)
+        message = str(info.value)
+        assert f"`{name}`: `{row.argument}` (={row.value!r})" in message, message
+
+
+def _manual(mlp, xs, recipe, keys=None):
+    """The MLP written out with `quantized_dot` on the whole batch."""
+    h = xs
+    for i, layer in enumerate(mlp.layers):
+        key = None if keys is None else keys[i]
+        h = eqxrules.quantized_dot(h, layer.weight.T, recipe=recipe, key=key)
+        h = h + layer.bias
+        if i < len(mlp.layers) - 1:
+            h = mlp.activation(h)
+    return h
+
+
+MLP = eqx.nn.MLP(64, 32, 64, 2, key=jax.random.key(0))
+XS = jax.random.normal(jax.random.key(1), (32, 64))
+
+
+def _grads(f, model):
+    return jtu.tree_leaves(eqx.filter_grad(lambda m: jnp.sum(f(m) ** 2))(model))
+
+
+def test_quantize_with_a_recipe_is_quantized_dot_on_the_batch():
+    recipe = recipes.mxfp8()
+    q = eqxrules.quantize(MLP, recipe=recipe)
+    assert all(isinstance(layer, eqxrules.QuantizedLinear) for layer in q.layers)
+    assert np.array_equal(jax.vmap(q)(XS), _manual(MLP, XS, recipe))
+    got = _grads(lambda m: jax.vmap(m)(XS), q)
+    expected = _grads(lambda m: _manual(m, XS, recipe), MLP)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+    # Quantising again leaves the layers as they are.
+    assert eqxrules.quantize(q, recipe=recipe) == q
+
+
+def test_keyed_gives_each_layer_its_own_key_at_every_call():
+    q = eqxrules.Keyed(eqxrules.quantize(MLP, recipe=KEYED))
+    keys = jax.random.split(KEY, len(MLP.layers) + 1)
+    expected = _grads(lambda m: _manual(m, XS, KEYED, keys), MLP)
+    got = _grads(lambda m: jax.vmap(ft.partial(m, key=KEY))(XS), q)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+    # Keys differ across layers and calls (a planted one-key-for-all differs).
+    same = _grads(lambda m: _manual(m, XS, KEYED, [keys[0]] * 3), MLP)
+    assert not all(np.array_equal(a, b) for a, b in zip(got, same))
+    # The stored model holds no key.
+    assert all(layer.key is None for layer in q.model.layers)
+
+
+def test_a_recipe_that_draws_without_a_key_is_an_error():
+    q = eqxrules.quantize(MLP, recipe=KEYED)
+    match = r"`QuantizedLinear`: its recipe draws random numbers \(dx.lhs, dw.rhs, dw.hadamard\)"
+    with pytest.raises(TypeError, match=match):
+        jax.vmap(q)(XS)
+    with pytest.raises(TypeError, match=match):
+        jax.vmap(eqxrules.Keyed(q))(XS)
+
+
+def test_keyed_passes_a_key_to_a_model_that_takes_one():
+    model = eqx.nn.Sequential([eqx.nn.Linear(64, 32, key=KEY), eqx.nn.Dropout(0.5)])
+    q = eqxrules.Keyed(eqxrules.quantize(model, recipe=recipes.mxfp8()))
+    a = jax.vmap(ft.partial(q, key=jax.random.key(1)))(XS)
+    b = jax.vmap(ft.partial(q, key=jax.random.key(2)))(XS)
+    assert (a == 0).any() and not np.array_equal(a, b)  # dropout drew
+
+
+def test_scalar_features():
+    for n_in, n_out, x in (("scalar", 32, jnp.ones(())), (32, "scalar", jnp.ones(32))):
+        linear = eqx.nn.Linear(n_in, n_out, key=KEY)
+        q = eqxrules.QuantizedLinear(linear, recipes.identity())
+        assert np.array_equal(q(x), linear(x))
+
+
+def test_quantize_with_a_recipe_rejects_misuse():
+    with pytest.raises(ValueError, match="give `recipe` or the quantisers"):
+        eqxrules.quantize(MLP, recipe=recipes.mxfp8(), kernel_quantizer=MX)
+    with pytest.raises(TypeError, match=r"`quantize`: `recipe` \(='mxfp8'\) must"):
+        eqxrules.quantize(MLP, recipe="mxfp8")  # type: ignore[arg-type]
+    conv = eqx.nn.Sequential([eqx.nn.Conv1d(4, 4, 3, key=KEY)])
+    with pytest.raises(TypeError, match=r"model.layers\[0\]` is a Conv1d"):
+        eqxrules.quantize(
+            conv, recipe=recipes.mxfp8(), where=lambda n: n is conv.layers[0]
+        )
+    with pytest.raises(ValueError, match="no layer of `model`"):
+        eqxrules.quantize(conv, recipe=recipes.mxfp8())
+    odd = eqx.nn.MLP(48, 32, 64, 1, key=KEY)
+    match = r"forward product reduces K.* \(=48\).*the layer at `model.layers\[0\]`"
+    with pytest.raises(ValueError, match=match):
+        eqxrules.quantize(odd, recipe=recipes.mxfp8())
