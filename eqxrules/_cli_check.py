@@ -138,7 +138,10 @@ def _target(args: argparse.Namespace, derivative: Any) -> tuple[Any, str | None]
         )
     if instance is None:
         return fn, _key_parameter(fn)
-    # Every Module accepts `key=`; whether it needs one is its `primal`'s say.
+    # Every Module accepts `key=`; whether it needs one is the instance's say (its
+    # `primal`'s, or its hyperparameters': `rounding="stochastic"`).
+    if instance.needs_key():
+        return instance, "required"
     return instance, _key_parameter(type(instance).primal)
 
 

@@ -289,6 +289,24 @@ MUTATIONS = [
     _patch(
         "dtype-ste_round", "dtype", "ste_round", QU, "SteRound", "primal", TO_FLOAT32
     ),
+    # Stochastic rounding that never rounds up (the float formats' and the
+    # integers' shared core), and a grid's that never steps from the nearest level.
+    Mutation(
+        "sr-floor-only",
+        "stochastic",
+        "stochastic_round",
+        FMT,
+        "return lo + (j < (v - lo) * float(2**resolution))",
+        "return lo + 0 * j",
+    ),
+    Mutation(
+        "sr-grid-never-moves",
+        "stochastic",
+        "ste_quantize",
+        FMT,
+        "return 2 * j + 1 < bound",
+        "return 2 * j + 1 < 0 * bound",
+    ),
     _patch(
         "dtype-clip_gradient_norm",
         "dtype",

@@ -140,6 +140,12 @@ def user_module(tmp_path, monkeypatch):
             sign_layer = eqxrules.SteSign()
             exact_scale = eqxrules.ScaledModel(jnp.sin, 2.0)
             skip_scale = eqxrules.ScaledModel(jnp.sin, 2.0, mode="skip_scale")
+            sr_grid = eqxrules.SteQuantize(bits=4, rounding="stochastic")
+            sr_e2m1 = eqxrules.FloatQuantize(format="e2m1", rounding="stochastic")
+            nearest_e2m1 = eqxrules.FloatQuantize(format="e2m1")
+
+            def within_6(x):
+                return jnp.where(jnp.abs(x) <= 6, x, 0.0)
             """
         )
     )
@@ -406,6 +412,27 @@ def test_check_stochastic_round_gets_a_key(capsys, user_module):
         assert "needs a PRNG key: using jax.random.key(0)" in out
         code, out = _run(capsys, "check", spec, *args, "--key", "7")
         assert code == 0 and "using jax.random.key(0)" not in out
+
+
+@pytest.mark.parametrize(
+    "spec, derivative",
+    [("sr_grid", "surrogate"), ("sr_e2m1", "within_6")],
+)
+def test_check_gives_a_stochastic_instance_a_key(capsys, user_module, spec, derivative):
+    """An instance whose hyperparameters make it draw (`rounding="stochastic"`),
+    though its `primal` takes `key=None`, gets `key(0)` with the note, as a rule
+    whose `primal` requires a key does; the same instance rounding to nearest
+    gets none."""
+    m = user_module
+    args = [f"{m}:{spec}", "--shape", "8", "--derivative", f"{m}:{derivative}"]
+    code, out = _run(capsys, "check", *args)
+    assert code == 0 and out.rstrip().endswith("passed"), out
+    assert f"`{m}:{spec}` needs a PRNG key: using jax.random.key(0)" in out
+    code, out = _run(capsys, "check", *args, "--key", "5")
+    assert code == 0 and "using jax.random.key(0)" not in out
+    nearest = [f"{m}:nearest_e2m1", "--derivative", f"{m}:within_6"]
+    code, out = _run(capsys, "check", *nearest)
+    assert code == 0 and "needs a PRNG key" not in out
 
 
 @pytest.mark.parametrize("seed, code", [("3", 0), ("4", 1)])

@@ -222,13 +222,15 @@ def _positional_matches_keywords(function: Any, entry: eqxrules.Entry) -> None:
         hyper = {f: getattr(rule, f) for f in fields}
         values = {"key": CALL_KEY, **hyper}
         rest = {f: hyper[f] for f in fields - set(names)}
+        # A key the example needs by keyword (`rounding="stochastic"`).
+        keyed = {k: v for k, v in rule.call_kwargs(CALL_KEY).items() if k not in names}
 
         def by_position(x, rule=rule):
-            return function(*[values.get(n, x) for n in names], **rest)
+            return function(*[values.get(n, x) for n in names], **rest, **keyed)
 
         def by_keyword(x):
             inputs = {n: values.get(n, x) for n in names if n not in fields}
-            return entry.function(**inputs, **hyper)
+            return entry.function(**inputs, **hyper, **keyed)
 
         actual, expected = _value_and_vjp(by_position, x), _value_and_vjp(by_keyword, x)
         _assert_same(actual, expected, f"{entry.name} by position")

@@ -68,22 +68,22 @@ def ste_round(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:
 `jnp.round(x)` (half to even); derivative `t`."""
 
 
-def ste_quantize(x: Float[ArrayLike, '*shape'], bits: int = 8, lo: float = -1.0, hi: float = 1.0) -> Float[Array, '*shape']:
-    """Functional form of [`SteQuantize`][]: `ste_quantize(x, bits=8, lo=-1.0, hi=1.0)`.
+def ste_quantize(x: Float[ArrayLike, '*shape'], bits: int = 8, lo: float = -1.0, hi: float = 1.0, *, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`SteQuantize`][]: `ste_quantize(x, bits=8, lo=-1.0, hi=1.0, *, rounding='nearest', key=None)`.
 
-uniform quantisation of clip(x, lo, hi) onto 2^bits levels; derivative `t·[lo <= x <= hi]`."""
+uniform quantisation of clip(x, lo, hi) onto 2^bits levels, to nearest or unbiased stochastic (`rounding`); derivative `t·[lo <= x <= hi]`."""
 
 
-def dorefa_quantize(x: Float[ArrayLike, '*shape'], bits: int = 2) -> Float[Array, '*shape']:
-    """Functional form of [`DoReFa`][]: `dorefa_quantize(x, bits=2)`.
+def dorefa_quantize(x: Float[ArrayLike, '*shape'], bits: int = 2, *, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`DoReFa`][]: `dorefa_quantize(x, bits=2, *, rounding='nearest', key=None)`.
 
-round(clip(x, 0, 1)·n)/n with n = 2^bits − 1; derivative `t·[0 <= x <= 1]`."""
+round(clip(x, 0, 1)·n)/n with n = 2^bits − 1, or unbiased stochastic (`rounding`); derivative `t·[0 <= x <= 1]`."""
 
 
 def stochastic_round(x: Float[ArrayLike, '*shape'], key: PRNGKeyArray) -> Float[Array, '*shape']:
     """Functional form of [`StochasticRound`][]: `stochastic_round(x, key)`.
 
-floor(x + u), u ~ U[0, 1) (so E[q] = x); derivative `t`."""
+sign(x)·(floor|x| + [j < 2^24 frac|x|]), j 24 random bits (so E[q] = x within 2^-24); derivative `t`."""
 
 
 def lsq_quantize(x: Float[ArrayLike, '*shape'], step: float | Array, *, bits: int, signed: bool = True, grad_scale: float | None = None, axis: int | None = None, offset: float | Array | None = None) -> Float[Array, '*shape']:

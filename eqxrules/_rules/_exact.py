@@ -171,22 +171,42 @@ def grid_index(w: Array, g: Grid, n: int) -> Array:
     return j + above.astype(jnp.int32)
 
 
-def reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
-    """Independently of `grid_index`: count the thresholds below `x` by binary
-    search, then settle an exact tie by parity."""
+def reference_index(w: Array, bits: int, lo: float, hi: float) -> Array:
+    """Independently of `grid_index`: the nearest index of each `w` (ties to even),
+    by counting the thresholds below it with a binary search, then settling an
+    exact tie by parity; in `[0, n]` (NaN gives some index in range)."""
     n = 2**bits - 1
-    w = x.astype(wide(x.dtype))
-    _, flo, _, step = _fractions(bits, lo, hi)
-    t = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
-    down = np.asarray([round_to(v, w.dtype, "down") for v in t], w.dtype)
-    exact = np.asarray([Fraction(float(d)) == v for d, v in zip(down, t)])
+    down, exact = _reference_thresholds(bits, lo, hi, w.dtype)
     count = jnp.searchsorted(jnp.asarray(down), w, side="left")  # #{T_j < x}
     inner = jnp.minimum(count, n - 1)
     tie = (count < n) & jnp.asarray(exact)[inner] & (jnp.asarray(down)[inner] == w)
     k = jnp.where(tie & (count % 2 == 1), count + 1, count)
-    levels = np.asarray([round_to(flo + i * step, x.dtype) for i in range(n + 1)])
-    value = jnp.asarray(levels, x.dtype)[jnp.minimum(k, n)]
-    return jnp.where(jnp.isnan(w), x, value)
+    return jnp.minimum(k, n)
+
+
+@functools.lru_cache(maxsize=64)
+def _reference_thresholds(
+    bits: int, lo: float, hi: float, dtype: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each threshold rounded down into `dtype`, and whether that is exact."""
+    n, flo, _, step = _fractions(bits, lo, hi)
+    t = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
+    down = np.asarray([round_to(v, dtype, "down") for v in t], dtype)
+    return down, np.asarray([Fraction(float(d)) == v for d, v in zip(down, t)])
+
+
+@functools.lru_cache(maxsize=64)
+def reference_levels(bits: int, lo: float, hi: float, dtype: Any) -> np.ndarray:
+    """Every exact level rounded once to `dtype`, from `Fraction`s."""
+    n, flo, _, step = _fractions(bits, lo, hi)
+    return np.asarray([round_to(flo + i * step, dtype) for i in range(n + 1)], dtype)
+
+
+def reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:
+    """Independently of `grid_index` (`reference_index`), the level rounded once."""
+    w = x.astype(wide(x.dtype))
+    levels = jnp.asarray(reference_levels(bits, lo, hi, x.dtype))
+    return jnp.where(jnp.isnan(w), x, levels[reference_index(w, bits, lo, hi)])
 
 
 def ge(x: Array, c: float) -> Array:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,30 @@ def stochastic_floor(v: Array, bits: Array, resolution: int = RESOLUTION) -> Arr
     return lo + (j < (v - lo) * float(2**resolution))
 
 
+def stochastic_move(g: Array, bits: Array, resolution: int = RESOLUTION) -> Array:
+    r"""$[\,2j + 1 < 2^{R+1} \lvert g \rvert\,]$, with $j$ the top $R$ =
+    `resolution` bits of the uint32 `bits`: whether an input $g$ steps away from the
+    level it is nearest, $g$ being its signed distance from it in steps
+    ($\lvert g \rvert \le 1/2$, or a little more where $g$ is rounded). The
+    midpoint $u = (j + 1/2)\,2^{-R}$ of each of the $2^R$ intervals of $[0, 1)$
+    is compared with $\lvert g \rvert$, so for uniform bits
+
+    $$P(\text{move}) = \frac{\#\{j : 2j + 1 < 2^{R+1} \lvert g \rvert\}}{2^R},
+    \qquad \big\lvert P(\text{move}) - \lvert g \rvert \big\rvert \le
+    2^{-R-1},$$
+
+    and an input within $2^{-R-1}$ of its level never moves, whichever side of it
+    a rounded $g$ puts it: a residual computed with a smaller absolute error never
+    steps to a level that is not a neighbour. Exact: $2^{R+1}\lvert g \rvert$ is
+    exact, an integer $a$ is below it iff it is below its `ceil`, and both are
+    compared as integers (`2j + 1` needs 25 bits: not float32's). NaN gives some
+    boolean."""
+    j = bits >> (32 - resolution)
+    top = float(2 ** (resolution + 1))
+    bound = jnp.ceil(jnp.minimum(jnp.abs(g) * top, top)).astype(jnp.uint32)
+    return 2 * j + 1 < bound
+
+
 def stochastic_round_to(
     fmt: Format, y: Array, bits: Array, resolution: int = RESOLUTION
 ) -> Array:
@@ -178,6 +203,21 @@ def reference_stochastic_round_to(fmt: Format, y: Array, bits: Array) -> Array:
     u = (bits >> (32 - RESOLUTION)).astype(jnp.float32) * 2.0**-RESOLUTION
     pick = jnp.where(u < (a - lo) / (hi - lo), hi, lo)
     return jnp.where(jnp.isnan(y), y, jnp.copysign(pick, y))
+
+
+def extremes(
+    reference: Callable[[Array, Array], Array], x: Array
+) -> tuple[Array, Array]:
+    r"""The two values a stochastic rounding may give each element of `x`, lower
+    first: `reference(x, bits)` at all-zero bits and at all-one bits. With the
+    rounding of `stochastic_round_to`, $j = 0$ rounds up every magnitude with
+    $f > 0$, and $j = 2^{24} - 1$ rounds down every one with
+    $f \le 1 - 2^{-24}$, which is every $f < 1$: $2^{24} f$ is an integer, or, below
+    half the smallest subnormal, $f < 1/2$. (Not for the grids' rule,
+    `stochastic_move`, which steps from the nearest level.)"""
+    zeros = jnp.zeros(jnp.shape(x), jnp.uint32)
+    a, b = reference(x, zeros), reference(x, ~zeros)
+    return jnp.minimum(a, b), jnp.maximum(a, b)
 
 
 def reference_round_with(fmt: Format, y: Array, bits: Array | None) -> Array:

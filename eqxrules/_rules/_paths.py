@@ -111,7 +111,13 @@ def formula_value(w: Array, f: Formula) -> tuple[Array, Array]:
     below = f.anchor - f.u0
     u = t + jnp.where(past, np.float32(below + 1), np.float32(below))
     index = t + jnp.where(past, np.float32(f.anchor + 1), np.float32(f.anchor))
-    return index, _pair(u, f.step_hi, f.level_hi) + _pair(u, f.step_lo, f.level_lo)
+    return index, formula_level(u, f)
+
+
+def formula_level(u: Array, f: Formula) -> Array:
+    """The level of index `u + u0` (`u` an integer-valued float32), the exact level
+    rounded once to the output dtype when cast to it (`proved` for every index)."""
+    return _pair(u, f.step_hi, f.level_hi) + _pair(u, f.step_lo, f.level_lo)
 
 
 def _add32(a: np.ndarray, b: Any) -> np.ndarray:

@@ -20,6 +20,7 @@ from ._formats import (
     FORMATS,
     divide,
     exponent,
+    extremes,
     pow2,
     reference_round_to,
     reference_round_with,
@@ -131,6 +132,18 @@ class _Blocked(JVPRule):
         per element of `x`), or to nearest where `bits` is `None`."""
         raise NotImplementedError
 
+    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        return self._reference(x, _reference_bits(self, x, key))
+
+    def _reference(self, x: Array, bits: Array | None) -> Array:
+        """The reference value, rounding as `_with_bits` does."""
+        raise NotImplementedError
+
+    def neighbours(self, x: Array) -> tuple[Array, Array]:
+        """The two values each element of `x` may take with `rounding="stochastic"`,
+        lower first (see `extremes`), with the scales of rounding to nearest."""
+        return extremes(self._reference, jnp.asarray(x))
+
 
 class MXQuantize(_Blocked):
     r"""Microscaling (OCP MX v1.0) fake quantisation: MXFP8, MXFP6 or MXFP4, with
@@ -203,7 +216,7 @@ class MXQuantize(_Blocked):
         out = jnp.where(jnp.isfinite(amax), out, jnp.nan)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
 
-    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+    def _reference(self, x: Array, bits: Array | None) -> Array:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
         amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
@@ -211,7 +224,6 @@ class MXQuantize(_Blocked):
         k = jnp.clip(e - 1 - fmt.emax, -127, 127)
         y = jnp.ldexp(b, -k)
         y = jnp.where(y > fmt.max, fmt.max, jnp.where(y < -fmt.max, -fmt.max, y))
-        bits = _reference_bits(self, x, key)
         if bits is not None:
             bits = _to_blocks(bits, self.axis, self.block_size)
         out = jnp.ldexp(reference_round_with(fmt, y, bits), k)
@@ -300,7 +312,7 @@ class NVFP4Quantize(_Blocked):
         q = jnp.where(jnp.isfinite(t), q, jnp.nan)
         return _from_blocks(q, self.axis, x).astype(x.dtype)
 
-    def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+    def _reference(self, x: Array, bits: Array | None) -> Array:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
         b = _to_blocks(w, self.axis, 16)
@@ -313,7 +325,6 @@ class NVFP4Quantize(_Blocked):
         d = t * s
         y = divide(b, d)
         y = jnp.where(y > 6.0, 6.0, jnp.where(y < -6.0, -6.0, y))
-        bits = _reference_bits(self, x, key)
         if bits is not None:
             bits = _to_blocks(bits, self.axis, 16)
         live = s > 0  # false where s is 0, or NaN (an all-zero array: t = 0)

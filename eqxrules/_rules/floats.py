@@ -33,6 +33,7 @@ from ._formats import (
     FORMAT_NAMES,
     FORMATS,
     divide,
+    extremes,
     random_bits,
     reference_round_with,
     round_with,
@@ -241,6 +242,10 @@ class FloatQuantize(_Elementwise):
         return (u >= -fmt.max) & (u <= fmt.max)
 
     def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        return self._reference(x, _reference_bits(self, x, key))
+
+    def _reference(self, x: Array, bits: Array | None) -> Array:
+        """The reference value, rounding as `_with_bits` does."""
         fmt = FORMATS[self.format]
         w = x.astype(_F32)
         if self.scale == "amax":
@@ -252,8 +257,13 @@ class FloatQuantize(_Elementwise):
         u = divide(w, s)
         big = jnp.where(u > 0, fmt.max, -fmt.max).astype(_F32)
         y = jnp.where(jnp.abs(u) > fmt.max, big, u)
-        q = reference_round_with(fmt, y, _reference_bits(self, x, key))
+        q = reference_round_with(fmt, y, bits)
         return (q * s).astype(x.dtype)
+
+    def neighbours(self, x: Array) -> tuple[Array, Array]:
+        """The two values each element of `x` may take with `rounding="stochastic"`,
+        lower first (see `extremes`; both the saturated value beyond the range)."""
+        return extremes(self._reference, jnp.asarray(x))
 
     def reference_derivative(
         self, x: Array, *, key: PRNGKeyArray | None = None
