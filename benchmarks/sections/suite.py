@@ -1,4 +1,5 @@
-"""Wall time of `python -m pytest` and of `python -m eqxrules` (only with `--suite`)."""
+"""Wall time of the suite's two tiers (`python -m pytest`, the README's command, and
+`python -m pytest -m slow`) and of `python -m eqxrules` (only with `--suite`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ NAME = "suite"
 DEFAULT = False  # minutes: only with `--suite` or `--only suite`
 COMMANDS = {
     "pytest": [sys.executable, "-m", "pytest"],
+    "slow": [sys.executable, "-m", "pytest", "-m", "slow"],
     "cli": [sys.executable, "-m", "eqxrules"],
 }
 
@@ -48,6 +50,8 @@ def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
         return []
     lines = report.opening(NAME, res, results, script=report.SCRIPT)
     for name in COMMANDS:
+        if name not in res:  # recorded before the command was added
+            continue
         r = res[name]
         lines.append(
             f"| `{r['command']}` | {r['seconds']:.1f} | {r['returncode']} | "
