@@ -50,8 +50,14 @@ def check_takes_key(rule):
         assert _asks_for_key(lambda: rule(x, key=None)), "key=None: no clear error"
         _assert_trees_equal(rule(x, key=K1), rule(x, key=K1), "same key, other value")
         # A sample may hold only values the rule cannot randomise (a grid's levels,
-        # values beyond its range): the key must matter on one of a few samples.
-        samples = [rule.input_domain().sample(jax.random.key(s)) for s in range(1, 9)]
+        # values beyond its range): the key must matter on one of a few samples,
+        # or on the midpoints between the domain's kinks (a grid's levels).
+        domain = rule.input_domain()
+        samples = [domain.sample(jax.random.key(s)) for s in range(1, 9)]
+        kinks = np.sort(np.asarray(domain.kinks, np.float64))
+        if kinks.size > 1 and isinstance(x, jax.Array):
+            mids = np.resize((kinks[1:] + kinks[:-1]) / 2, x.shape)
+            samples.append(jnp.asarray(mids, x.dtype))
         assert any(_differ(rule(x, key=K1), rule(x, key=K2)) for x in samples), (
             "value ignores the key"
         )
