@@ -40,11 +40,14 @@ STAGES = ("tests/test_catalogue.py", "tests/test_nonfinite.py", "tests/test_matr
 _PATCH = """
 
 def _mutant_patch():
+    import functools as _functools
+
     import jax as _jax
     import jax.numpy as _jnp
 
     original = {cls}.{method}
 
+    @_functools.wraps(original)  # keeps the signature the registry reads
     def mutated(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         return _jax.tree_util.tree_map({wrap}, result)
@@ -332,7 +335,9 @@ def _run_stage(root: pathlib.Path, stage: str, entry: str) -> tuple[int, str]:
     env["PYTHONPATH"] = str(root)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", stage, "-x", "-q", "-n0", "-k", entry],
+        # Both tiers: the matrix is in the slow one, which `addopts` deselects.
+        [sys.executable, "-m", "pytest", stage, "-x", "-q", "-n0", "-k", entry]
+        + ["-m", "slow or not slow"],
         cwd=root,
         env=env,
         capture_output=True,
