@@ -10,9 +10,61 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import functools as ft  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
+
+try:
+    import fcntl  # noqa: E402
+except ImportError:  # Windows: each worker computes its own
+    fcntl = None
+
+# One directory per test session, made by its first process (xdist's controller),
+# inherited by its workers and subprocesses through the environment, and removed at
+# the end: what the session's processes share (`once_per_session`, the compilation
+# cache below), so that no run reads what another wrote.
+_SESSION_DIR = None
+if "EQXRULES_TEST_SESSION" not in os.environ:
+    _SESSION_DIR = tempfile.mkdtemp(prefix="eqxrules-tests-")
+    os.environ["EQXRULES_TEST_SESSION"] = _SESSION_DIR
+
+# The suite is compile-bound, and about a third of its programs are compiled more
+# than once: by both xdist workers (each builds the catalogue's examples), by
+# several modules, and by the scripts the tests run in subprocesses. JAX's
+# persistent compilation cache, in the session's directory, shares them; every
+# program is cached, however quick to compile. Set `JAX_COMPILATION_CACHE_DIR` to
+# keep one across runs, or to "" for none.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.environ["EQXRULES_TEST_SESSION"], "jax-cache"),
+)
+if os.environ["JAX_COMPILATION_CACHE_DIR"]:
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_unconfigure(config):
+    if _SESSION_DIR is not None:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+def once_per_session(name: str, compute: Callable[[], Any]) -> Any:
+    """`compute()`, a JSON value, computed once per test session whichever worker
+    asks first; the others wait for it and read it back. (xdist's `loadgroup`
+    cannot keep a fixture's tests on one worker under pytest 9.2: it renames
+    `Item._nodeid`, which pytest no longer reads.)"""
+    path = pathlib.Path(os.environ["EQXRULES_TEST_SESSION"]) / f"{name}.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())
+
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402

@@ -1,7 +1,10 @@
 """Packaging: the runtime needs only jax, jaxlib, equinox and jaxtyping."""
 
+import os
 import subprocess
 import sys
+
+from conftest import once_per_session
 
 import eqxrules
 
@@ -77,3 +80,19 @@ def test_version_matches_the_changelog():
         r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M
     )
     assert released and released[0] == eqxrules.__version__
+
+
+def test_once_per_session_computes_once_and_shares_it():
+    """The tests' `once_per_session` (tests/conftest.py) runs `compute` for the
+    first caller only; a caller with another name gets its own."""
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"calls": len(calls)}
+
+    name = f"probe-{os.getpid()}"
+    assert once_per_session(name, compute) == {"calls": 1}
+    assert once_per_session(name, compute) == {"calls": 1}
+    assert once_per_session(name + "-other", compute) == {"calls": 2}
+    assert len(calls) == 2

@@ -18,6 +18,7 @@ import sys
 
 import jax
 import pytest
+from conftest import once_per_session
 
 import eqxrules
 
@@ -26,10 +27,9 @@ WORKER = ROOT / "tests" / "sharding_worker.py"
 # Run by the worker with `main(quick=True)`, and as a script by the slow test.
 EXAMPLE = "data_parallel"
 ENTRIES = eqxrules.catalogue()
-# One xdist worker takes every test here (`--dist loadgroup`), and the fixture is
-# session-scoped, so the worker subprocess runs once, not once per worker (nor
-# again when that worker comes back to this module after another).
-pytestmark = pytest.mark.xdist_group("sharding")
+# The worker subprocess runs once per test session, whichever xdist worker asks
+# first (`once_per_session`): not once per worker, nor again when a worker comes
+# back to this module after another.
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -43,8 +43,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def sharded() -> dict:
+def _run_worker() -> dict:
     proc = subprocess.run(
         [sys.executable, str(WORKER)],
         cwd=ROOT,
@@ -55,6 +54,11 @@ def sharded() -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def sharded() -> dict:
+    return once_per_session("sharding_worker", _run_worker)
 
 
 def test_worker_has_eight_devices_and_this_process_one(sharded):
