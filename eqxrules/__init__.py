@@ -13,7 +13,6 @@ from ._catalogue import (
     VJPRule as VJPRule,
     catalogue as catalogue,
     functional as functional,
-    partial_jvp as partial_jvp,
 )
 from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import (
@@ -24,6 +23,7 @@ from ._layers import (
 from ._lowp.dot import quantized_dot as quantized_dot
 from ._lowp.layer import Keyed as Keyed, QuantizedLinear as QuantizedLinear
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
+from ._tangents import partial_jvp as partial_jvp
 from ._verify import (
     RuleVerification as RuleVerification,
     RuleVerificationError as RuleVerificationError,

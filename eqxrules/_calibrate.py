@@ -15,8 +15,8 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, PRNGKeyArray
 
-from ._catalogue import call_with_key
 from ._layers import Quantized, _initialised
+from ._tangents import call_with_key
 
 _M = TypeVar("_M")
 

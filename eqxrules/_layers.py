@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
-from ._catalogue import Rule, call_with_key
+from ._catalogue import Rule
 from ._lowp.layer import quantize_with_recipe
 from ._lowp.recipes import Recipe
 from ._registry import catalogue
+from ._tangents import call_with_key
 
 _M = TypeVar("_M")
 

@@ -239,7 +239,7 @@ MUTATIONS = [
         "symbolic-zero-partial-jvp",
         "symbolic zero",
         "scaled_call",
-        CAT,
+        "eqxrules/_tangents.py",
         "if t is not None and eqx.is_inexact_array(p)",
         "if eqx.is_inexact_array(p)",
     ),

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
-from .._catalogue import takes_key
+from .._tangents import takes_key
 from .dot import FORWARD, INPUT_GRADIENT, length_error, quantized_dot
 from .recipes import Recipe, reads_key
 

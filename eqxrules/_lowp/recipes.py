@@ -292,17 +292,3 @@ def identity() -> Custom:
     """A recipe that quantises nothing: [`quantized_dot`][eqxrules.quantized_dot]
     with it is `jnp.dot`, value and VJP, bit for bit (tested on the CPU)."""
     return Custom()
-
-
-__all__ = [
-    "FP8",
-    "MXFP8",
-    "NVFP4",
-    "Custom",
-    "Product",
-    "Recipe",
-    "fp8",
-    "identity",
-    "mxfp8",
-    "nvfp4",
-]

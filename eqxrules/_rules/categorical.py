@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from .._catalogue import JVPRule, partial_jvp
+from .._catalogue import JVPRule
 from .._hyper import axis_index, boolean, hyperparameter, positive
 from .._inputs import check_axis, check_float_array
+from .._tangents import partial_jvp
 from ._elementwise import sg, wide
 
 

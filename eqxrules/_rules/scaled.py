@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
-from .._catalogue import Domain, JVPRule, call_with_key, functional, partial_jvp
+from .._catalogue import Domain, JVPRule, functional
 from .._hyper import finite_nonzero, function, hyperparameter, one_of
 from .._inputs import check_array, check_broadcasts
+from .._tangents import call_with_key, partial_jvp
 from .._typing import PyTree
 
 Mode = Literal["exact", "skip_scale", "stop_input"]

@@ -17,14 +17,13 @@ from .._catalogue import (
     Domain,
     JVPRule,
     PytreeRule,
-    call_with_key,
     functional,
     map_tangent,
     no_tangent,
-    partial_jvp,
 )
 from .._hyper import axis_indices, function, hyperparameter, non_negative
 from .._inputs import check_axis
+from .._tangents import call_with_key, partial_jvp
 from .._typing import PyTree
 
 

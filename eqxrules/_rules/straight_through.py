@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
-from .._catalogue import JVPRule, partial_jvp
+from .._catalogue import JVPRule
 from .._hyper import function, hyperparameter
+from .._tangents import partial_jvp
 from .._typing import PyTree
 
 
