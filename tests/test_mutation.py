@@ -50,13 +50,15 @@ def test_every_mutation_applies_to_the_current_sources():
 
 @pytest.mark.slow
 def test_mutation_script_catches_a_planted_boundary_flip():
+    """With its control run: the unmutated copy passes every stage (a stage that
+    selects no test, pytest's exit 5, would make it an error, as the tier split once
+    did unnoticed), then the mutant fails one."""
     proc = subprocess.run(
         [
             sys.executable,
             str(HERE / "mutation.py"),
             "--only",
             "boundary-dorefa-one",
-            "--no-control",
             "--json",
         ],
         cwd=ROOT,
@@ -66,6 +68,7 @@ def test_mutation_script_catches_a_planted_boundary_flip():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["control"]["status"] == "survived", report["control"]
     assert report["caught"] == report["planted"] == 1
     result = report["mutations"]["boundary-dorefa-one"]
     assert result["status"] == "caught" and "dorefa_quantize" in result["detail"]
