@@ -8,6 +8,7 @@ import os
 # (Set before JAX is imported.)
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import atexit  # noqa: E402
 import functools as ft  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -27,10 +28,12 @@ except ImportError:  # Windows: each worker computes its own
 # inherited by its workers and subprocesses through the environment, and removed at
 # the end: what the session's processes share (`once_per_session`, the compilation
 # cache below), so that no run reads what another wrote.
-_SESSION_DIR = None
 if "EQXRULES_TEST_SESSION" not in os.environ:
     _SESSION_DIR = tempfile.mkdtemp(prefix="eqxrules-tests-")
     os.environ["EQXRULES_TEST_SESSION"] = _SESSION_DIR
+    # At exit, not in `pytest_unconfigure`: a script that imports this module
+    # outside pytest removes its directory too.
+    atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
 
 # The suite is compile-bound, and about a third of its programs are compiled more
 # than once: by both xdist workers (each builds the catalogue's examples), by
@@ -45,11 +48,6 @@ os.environ.setdefault(
 if os.environ["JAX_COMPILATION_CACHE_DIR"]:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-
-
-def pytest_unconfigure(config):
-    if _SESSION_DIR is not None:
-        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 def once_per_session(name: str, compute: Callable[[], Any]) -> Any:
