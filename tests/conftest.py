@@ -153,6 +153,7 @@ CATALOGUE_WIDE = {
 }
 SLOW_MODULES = {
     "test_guides.py": "every guide also runs in the strict docs build that CI does",
+    "test_examples_lowp.py": "trains a transformer in five recipes (about 25 s)",
     "test_examples_straight_through.py": "trains three networks on digits",
     "test_examples_stop_gradient.py": "trains DANN and an LSTM",
     "test_xla_cost.py": "compiles networks for XLA's cost analysis",
