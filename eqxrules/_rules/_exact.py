@@ -2,7 +2,7 @@ r"""Exact uniform grids, built at trace time.
 
 A static grid (`bits`, `lo`, `hi` are Python numbers) has exactly known levels
 $L_k = \mathrm{lo} + k(\mathrm{hi} - \mathrm{lo})/n$ and decision thresholds
-$T_j = (L_j + L_{j+1})/2$. They are computed here with `fractions.Fraction` and
+$T_j = (L_j + L_{j+1})/2$. They are computed here in exact rational arithmetic and
 rounded, exactly, into the dtype they are compared or returned in: small constant
 tables. The table path (`grid_index`) estimates the level index in float32 (one
 multiply-add), then corrects it by one comparison with a threshold read from the
@@ -14,6 +14,7 @@ faster paths, and checks them against these tables.
 from __future__ import annotations
 
 import functools
+import math
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ from jaxtyping import Array
 from ._elementwise import wide
 
 MAX_BITS = 16
-_TINY = Fraction(1, 2**1100)  # below every quantum of every dtype up to float64
+_TINY_BITS = 1100  # 2^-1100 is below every quantum of every dtype up to float64
 
 
 def _exponent(a: Fraction) -> int:
@@ -38,6 +39,48 @@ def _exponent(a: Fraction) -> int:
     return e
 
 
+@functools.cache
+def _format(dtype: Any) -> tuple[int, int, float]:
+    """`dtype`'s precision (bits of significand), least normal exponent, and
+    largest finite value."""
+    fi = jnp.finfo(dtype)
+    return int(fi.nmant) + 1, int(fi.minexp), float(fi.max)
+
+
+def round_ratio(num: int, den: int, dtype: Any, mode: str = "nearest") -> float:
+    """`num/den` (`den > 0`) rounded into `dtype`, as `round_to`, in integer
+    arithmetic alone: a grid's thousands of levels and thresholds are each one
+    such rounding, and building `Fraction`s for them cost seconds per grid."""
+    if num == 0:
+        return 0.0
+    p, minexp, largest = _format(dtype)
+    negative = num < 0
+    a = -num if negative else num
+    e = a.bit_length() - den.bit_length()  # floor(log2(a/den)) is e or e - 1
+    if (a << max(-e, 0)) < (den << max(e, 0)):
+        e -= 1
+    if mode != "nearest" and e < minexp:  # |v| below the least normal number
+        tiny = math.ldexp(1.0, minexp)
+        if negative:
+            return 0.0 if mode == "up" else -tiny
+        return tiny if mode == "up" else 0.0
+    shift = max(e, minexp) - p + 1  # the quantum is 2^shift
+    d = den << max(shift, 0)
+    lower, rem = divmod(a << max(-shift, 0), d)
+    if mode == "nearest":
+        up = 2 * rem > d or (2 * rem == d and lower % 2 == 1)
+    else:  # directed: away from zero when rounding towards the side `v` is on
+        up = rem > 0 and ((mode == "up") != negative)
+    m = lower + up
+    big, big_den = largest.as_integer_ratio()
+    if (m << max(shift, 0)) * big_den > big << max(-shift, 0):
+        toward_zero = mode != "nearest" and ((mode == "down") != negative)
+        r = largest if toward_zero else math.inf
+    else:
+        r = math.ldexp(float(m), shift)  # m has at most p <= 53 bits: exact
+    return -r if negative else r
+
+
 def round_to(v: Fraction, dtype: Any, mode: str = "nearest") -> float:
     """`v` rounded into `dtype`: `"nearest"` (ties to even, subnormals kept), or,
     for comparisons, `"down"` (towards -inf) or `"up"` into the normal numbers and
@@ -46,39 +89,17 @@ def round_to(v: Fraction, dtype: Any, mode: str = "nearest") -> float:
     written; over the normal numbers and zero, `x > c` is `x > c'` with `c'` the
     rounding down of `c` into them, and `x >= c` is `x >= c'` with the rounding up.
     The result is a Python float holding the rounded value exactly."""
-    fi = jnp.finfo(dtype)
-    if v == 0:
-        return 0.0
-    if mode != "nearest" and abs(v) < Fraction(float(fi.tiny)):
-        tiny = float(fi.tiny)
-        if v > 0:
-            return tiny if mode == "up" else 0.0
-        return 0.0 if mode == "up" else -tiny
-    negative = v < 0
-    a = -v if negative else v
-    p = int(fi.nmant) + 1
-    e = max(_exponent(a), int(fi.minexp))
-    quantum = Fraction(2) ** (e - p + 1)
-    m = a / quantum
-    lower = m.numerator // m.denominator
-    rem = m - lower
-    if mode == "nearest":
-        up = rem > Fraction(1, 2) or (rem == Fraction(1, 2) and lower % 2 == 1)
-    else:  # directed: away from zero when rounding towards the side `v` is on
-        up = rem > 0 and ((mode == "up") != negative)
-    r = (lower + up) * quantum
-    big = Fraction(float(fi.max))
-    if r > big:
-        toward_zero = mode != "nearest" and ((mode == "down") != negative)
-        r_float = float(fi.max) if toward_zero else float("inf")
-    else:
-        r_float = float(r)
-    return -r_float if negative else r_float
+    return round_ratio(v.numerator, v.denominator, dtype, mode)
 
 
 def below(v: Fraction, dtype: Any) -> float:
     """The largest normal number or zero of `dtype` strictly below `v`."""
-    return round_to(v - _TINY, dtype, "down")
+    return _below_ratio(v.numerator, v.denominator, dtype)
+
+
+def _below_ratio(num: int, den: int, dtype: Any) -> float:
+    """`below(num/den)`: `num/den - 2^-_TINY_BITS` rounded down."""
+    return round_ratio((num << _TINY_BITS) - den, den << _TINY_BITS, dtype, "down")
 
 
 class Grid(NamedTuple):
@@ -128,24 +149,50 @@ def resolvable(bits: int, lo: float, hi: float) -> bool:
     return estimate_bound(bits, lo, hi, jnp.float32) < Fraction(1, 2)
 
 
+def _integers(bits: int, lo: float, hi: float) -> tuple[int, int, int, int]:
+    """`n`, and integers `a`, `s`, `d` such that level `k` is `(a + k·s)/d` and
+    threshold `j` is `(2a + (2j + 1)·s)/(2d)`."""
+    n = 2**bits - 1
+    flo, fhi = Fraction(lo), Fraction(hi)
+    d = flo.denominator * fhi.denominator  # powers of two
+    a, b = flo.numerator * fhi.denominator, fhi.numerator * flo.denominator
+    return n, a * n, b - a, d * n
+
+
+def _thresholds(bits: int, lo: float, hi: float) -> list[tuple[int, int]]:
+    """Each exact threshold $T_j$ as an integer ratio."""
+    n, a, s, d = _integers(bits, lo, hi)
+    return [(2 * a + (2 * j + 1) * s, 2 * d) for j in range(n)]
+
+
+def _levels(bits: int, lo: float, hi: float, dtype: Any) -> list[float]:
+    """Each exact level rounded once to `dtype`."""
+    n, a, s, d = _integers(bits, lo, hi)
+    return [round_ratio(a + k * s, d, dtype) for k in range(n + 1)]
+
+
+def is_exactly(value: float, ratio: tuple[int, int]) -> bool:
+    """Whether the float `value` is the number `ratio[0]/ratio[1]`."""
+    num, den = float(value).as_integer_ratio()
+    return num * ratio[1] == ratio[0] * den
+
+
 @functools.lru_cache(maxsize=256)
 def grid(bits: int, lo: float, hi: float, compute: Any, out: Any) -> Grid:
     compute, out = jnp.dtype(compute), jnp.dtype(out)
     n, flo, _, step = _fractions(bits, lo, hi)
     s = 1 / step
-    t = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
     # x > T_j exactly iff x > round_down(T_j); at a tie (x == T_j, representable),
     # the even index wins: odd j compare with the value just below T_j (>=).
     thresholds = [
-        round_to(v, compute, "down") if j % 2 == 0 else below(v, compute)
-        for j, v in enumerate(t)
+        round_ratio(*t, compute, "down") if j % 2 == 0 else _below_ratio(*t, compute)
+        for j, t in enumerate(_thresholds(bits, lo, hi))
     ]
-    levels = [round_to(flo + k * step, out) for k in range(n + 1)]
     return Grid(
         round_to(s, compute),
         round_to(-flo * s, compute),
         np.asarray(thresholds, compute),
-        np.asarray(levels, out),
+        np.asarray(_levels(bits, lo, hi, out), out),
         estimate_bound(bits, lo, hi, compute),
     )
 
@@ -189,17 +236,15 @@ def _reference_thresholds(
     bits: int, lo: float, hi: float, dtype: Any
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each threshold rounded down into `dtype`, and whether that is exact."""
-    n, flo, _, step = _fractions(bits, lo, hi)
-    t = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
-    down = np.asarray([round_to(v, dtype, "down") for v in t], dtype)
-    return down, np.asarray([Fraction(float(d)) == v for d, v in zip(down, t)])
+    t = _thresholds(bits, lo, hi)
+    down = np.asarray([round_ratio(*v, dtype, "down") for v in t], dtype)
+    return down, np.asarray([is_exactly(d, v) for d, v in zip(down, t)])
 
 
 @functools.lru_cache(maxsize=64)
 def reference_levels(bits: int, lo: float, hi: float, dtype: Any) -> np.ndarray:
-    """Every exact level rounded once to `dtype`, from `Fraction`s."""
-    n, flo, _, step = _fractions(bits, lo, hi)
-    return np.asarray([round_to(flo + i * step, dtype) for i in range(n + 1)], dtype)
+    """Every exact level rounded once to `dtype`."""
+    return np.asarray(_levels(bits, lo, hi, dtype), dtype)
 
 
 def reference_quantize(x: Array, bits: int, lo: float, hi: float) -> Array:

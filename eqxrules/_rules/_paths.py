@@ -30,9 +30,11 @@ from ._exact import (
     _exponent,
     _fractions,
     _lookup,
+    _thresholds,
     estimate_bound,
     grid,
     grid_index,
+    is_exactly,
     round_to,
 )
 
@@ -260,12 +262,12 @@ def formula(bits: int, lo: float, hi: float, out: Any) -> Formula | None:
     finest $q$ whose formula is proved is taken."""
     n, flo, fhi, step = _fractions(bits, lo, hi)
     g = grid(bits, lo, hi, jnp.float32, out)
-    ts = [flo + (j + Fraction(1, 2)) * step for j in range(n)]
+    ts = _thresholds(bits, lo, hi)
     past = _after(g.thresholds)
     ties = [
         j
-        for j, v in enumerate(ts)
-        if Fraction(float(g.thresholds[j] if j % 2 == 0 else past[j])) == v
+        for j, t in enumerate(ts)
+        if is_exactly(g.thresholds[j] if j % 2 == 0 else past[j], t)
     ]
     z = -flo / step  # the index of 0
     nearest = min(max(round(z - Fraction(1, 2)), 0), n - 1)
@@ -281,7 +283,7 @@ def formula(bits: int, lo: float, hi: float, out: Any) -> Formula | None:
             _f32(scale),
             _f32(-flo * scale - anchor),
             *_split(step, q),
-            *_split(ts[anchor], q),
+            *_split(Fraction(*ts[anchor]), q),
             *_split(flo + u0 * step, q),
             anchor,
             float(u0),

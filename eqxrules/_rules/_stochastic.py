@@ -42,6 +42,7 @@ from ._elementwise import wide
 from ._exact import (
     _exponent,
     _fractions,
+    _integers,
     _lookup,
     ge,
     grid,
@@ -49,6 +50,7 @@ from ._exact import (
     le,
     reference_index,
     reference_levels,
+    round_ratio,
     round_to,
 )
 from ._formats import RESOLUTION, stochastic_move
@@ -322,14 +324,20 @@ def choose(x: Array, stay: Array, other: Array, move: Array) -> Array:
 def _level_table(bits: int, lo: float, hi: float, dtype: Any, parts: int) -> np.ndarray:
     """`parts` rows: each exact level as a sum of `parts` numbers of `dtype`, each
     the rest rounded to nearest (shape `(parts, n + 1)`)."""
-    n, flo, _, step = _fractions(bits, lo, hi)
+    n, a, s, d = _integers(bits, lo, hi)
     rows = []
-    rest = [flo + i * step for i in range(n + 1)]
+    rest = [(a + i * s, d) for i in range(n + 1)]  # integer ratios
     for _ in range(parts):
-        row = [round_to(v, dtype) for v in rest]
-        rest = [v - Fraction(r) for v, r in zip(rest, row)]
+        row = [round_ratio(*v, dtype) for v in rest]
+        rest = [_minus(v, r) for v, r in zip(rest, row)]
         rows.append(row)
     return np.asarray(rows, dtype)
+
+
+def _minus(v: tuple[int, int], r: float) -> tuple[int, int]:
+    """The integer ratio `v` less the float `r`, exactly."""
+    num, den = r.as_integer_ratio()
+    return v[0] * den - num * v[1], v[1] * den
 
 
 def reference_stochastic_quantize(
