@@ -140,7 +140,8 @@ def load_example():
 #   `entry` and `index` (the first example of every entry stays quick);
 # - the modules below, whole: those in `CATALOGUE_WIDE` are also marked
 #   `catalogue_wide`, and CI runs them (`-m "not slow or catalogue_wide"`) in its
-#   second environment, pinned at the minimum versions;
+#   second environment, pinned at the minimum versions; those in `SLOW_IN_CI` are
+#   also marked `ci_slow`, and CI runs them at the newest versions;
 # - the single heavy tests in `SLOW_TESTS`;
 # - the parametrised tests below, all but their first case (which stays quick, so
 #   that each check and its planted defect run in both tiers).
@@ -159,6 +160,21 @@ SLOW_MODULES = {
     "test_xla_cost.py": "compiles networks for XLA's cost analysis",
     "test_lowp_cost.py": "compiles the recipes' products for XLA's cost analysis",
     **CATALOGUE_WIDE,
+}
+# The part of the slow tier that `.ci/run` runs too (`-m ci_slow`), whole modules
+# each checking what nothing in the quick tier does: all of the slow tier does not
+# fit in CI's 12 minutes on 2 cores beside the quick tier, the site build and the
+# minimum-version run (issue 18 §5; `benchmarks/RESULTS.md` section 5 has the
+# times). The rest of the slow tier is every later example and dtype of checks
+# whose first example or float32 column the quick tier runs, and the exhaustive
+# proofs' larger grids: run it before a release.
+SLOW_IN_CI = {
+    "test_examples_lowp.py": "the low-precision example's --quick run, every row",
+    "test_examples_straight_through.py": "the straight-through examples train",
+    "test_examples_stop_gradient.py": "the stop-gradient examples train",
+    "test_xla_cost.py": "XLA's cost analysis against hand-written JAX",
+    "test_lowp_cost.py": "XLA's cost analysis of the recipes' products",
+    "test_mutation.py": "the mutation script catches planted defects",
 }
 SLOW_TESTS = {  # heavy single tests; a lighter quick one checks the same part
     "test_stochastic_rounding_use.py": (
@@ -256,3 +272,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             or (function in FIRST_CASE_ONLY.get(module, ()) and not first)
         ):
             item.add_marker(pytest.mark.slow)
+            if module in SLOW_IN_CI:
+                item.add_marker(pytest.mark.ci_slow)
