@@ -1,9 +1,12 @@
 """Packaging: the runtime needs only jax, jaxlib, equinox and jaxtyping."""
 
+import ast
 import os
+import pathlib
 import subprocess
 import sys
 
+import conftest
 from conftest import once_per_session
 
 import eqxrules
@@ -96,3 +99,33 @@ def test_once_per_session_computes_once_and_shares_it():
     assert once_per_session(name, compute) == {"calls": 1}
     assert once_per_session(name + "-other", compute) == {"calls": 2}
     assert len(calls) == 2
+
+
+def tier_problems(modules, tests) -> list[str]:
+    """What the tier policy (tests/conftest.py) names that does not exist: a module
+    in `modules`, or a test function in `tests` (module -> names). A renamed test
+    or module would otherwise change tiers silently."""
+    here = pathlib.Path(__file__).parent
+    problems = [f"no module {m}" for m in modules if not (here / m).is_file()]
+    for module, names in tests.items():
+        path = here / module
+        defined = set()
+        if path.is_file():
+            tree = ast.parse(path.read_text())
+            defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        problems += [f"no test {module}::{n}" for n in names if n not in defined]
+    return problems
+
+
+def test_the_tier_policy_names_what_exists():
+    """Every module and test the tiers name exists, and `.ci/run` runs the
+    `ci_slow` part; a misspelt name (the planted defect) is found."""
+    modules = [*conftest.SLOW_MODULES, *conftest.CATALOGUE_WIDE, *conftest.SLOW_IN_CI]
+    tests = {**conftest.FIRST_CASE_ONLY}
+    for module, names in conftest.SLOW_TESTS.items():
+        tests[module] = (*tests.get(module, ()), *names)
+    assert tier_problems(modules, tests) == []
+    run = (pathlib.Path(__file__).parent.parent / ".ci" / "run").read_text()
+    assert "python -m pytest -m ci_slow" in run
+    planted = tier_problems(["test_matrixx.py"], {"test_cli.py": ("test_nope",)})
+    assert planted == ["no module test_matrixx.py", "no test test_cli.py::test_nope"]
