@@ -33,7 +33,7 @@ steps to fit the time (full mode within ten minutes on two cores), the learning
 rate the best for float32 on seed 0 of those tried (1e-3 to 4e-2).
 
 Run: `python examples/lowp_training.py [--quick | --record]`. Needs the `examples`
-extra (`optax`). Full mode (5 rows × 3 seeds) takes about seven minutes on two CPU
+extra (`optax`). Full mode (7 rows × 3 seeds) takes about seven minutes on two CPU
 cores, NVFP4's stochastic rounding and Hadamard transform about doubling its row's
 time there; `--quick` (one seed, a one-block model, 12 steps: it checks that every
 row trains, not the figures) runs in the test suite. `--record` (full mode) also writes
@@ -90,6 +90,15 @@ ROWS = [
         "nvfp4 without SR and RHT",
         dataclasses.replace(
             recipes.nvfp4(), gradient_rounding="nearest", hadamard=None
+        ),
+    ),
+    # Where `nvfp4()`'s gap comes from: its forward product alone (the gradient
+    # products in float32), then its two gradient products alone.
+    Row("nvfp4 forward only", recipes.Custom(fwd=recipes.nvfp4().products().fwd)),
+    Row(
+        "nvfp4 gradients only",
+        recipes.Custom(
+            dx=recipes.nvfp4().products().dx, dw=recipes.nvfp4().products().dw
         ),
     ),
 ]

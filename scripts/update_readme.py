@@ -63,6 +63,10 @@ LOWP_LABELS = {
     "RHT on the weight-gradient product",
     "nvfp4 without SR and RHT": "`nvfp4()` without SR and RHT "
     '(`gradient_rounding="nearest", hadamard=None`)',
+    "nvfp4 forward only": "`nvfp4()`'s forward product alone, its gradient products "
+    "in float32 (`Custom(fwd=...)`)",
+    "nvfp4 gradients only": "`nvfp4()`'s two gradient products alone (SR and RHT "
+    "included), its forward product in float32 (`Custom(dx=..., dw=...)`)",
 }
 _LOWP_HEADER = (
     "| recipe (`ROWS` in the example) | validation loss, nats per character | "

@@ -92,6 +92,10 @@ def test_lowp_training_quick_trains_every_row(example, quick):
         recipes.mxfp8(),
         recipes.nvfp4(),
         recipes.NVFP4(gradient_rounding="nearest", hadamard=None),
+        recipes.Custom(fwd=recipes.nvfp4().products().fwd),
+        recipes.Custom(
+            dx=recipes.nvfp4().products().dx, dw=recipes.nvfp4().products().dw
+        ),
     ]
     assert results["corpus"]["ascii"]  # so a byte is a character
     assert results["corpus"]["files"] == sorted(results["corpus"]["files"])
