@@ -36,7 +36,12 @@ from . import _registry
 from ._hyper import Invalid, check_fields, invalid_constructions
 from ._inputs import check_float_array
 from ._registry import Domain, Entry, catalogue, functional
-from ._tangents import _align_tangents, _is_none_leaf, _match_dtypes
+from ._tangents import (
+    _align_tangents,
+    _is_none_leaf,
+    _match_cotangents,
+    _match_dtypes,
+)
 from ._typing import PyTree
 
 _T = TypeVar("_T")
@@ -413,8 +418,9 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
     rule, args = rule_and_args
     _, perturbed_args = perturbed
     ct_args = rule.bwd(residuals, cotangent, args, **kwargs)
-    # JAX lets a bfloat16 primal receive a float32 cotangent; we do not.
-    ct_args = _match_dtypes(tuple(ct_args), args)
+    # JAX lets a bfloat16 primal receive a float32 cotangent; we do not. Under
+    # `shard_map`, a replicated argument's cotangent is summed over the devices.
+    ct_args = _match_cotangents(tuple(ct_args), args)
     ct_args = jtu.tree_map(
         lambda ct, p: ct if p else None,
         ct_args,

@@ -74,6 +74,53 @@ def _match_dtypes(t_tree: Any, like_tree: Any) -> Any:
     return jtu.tree_map(_cast_like, t_tree, like_tree, is_leaf=lambda t: t is None)
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes over which `x` varies inside `jax.shard_map` (JAX's varying
+    manual axes): empty outside it, and on JAX without such types (before 0.7)."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return frozenset()
+    aval = typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # JAX 0.7 to 0.9
+
+
+def _vary(x: Any, axes: tuple[str, ...]) -> Any:
+    """`x` made varying over `axes`: `jax.lax.pcast` from JAX 0.10, `pvary` before
+    (only called where JAX has varying axes, so one of them exists)."""
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        return pcast(x, axes, to="varying")
+    return getattr(jax.lax, "pvary")(x, axes)
+
+
+def _cotangent_like(ct: Any, like: Any) -> Any:
+    r"""`ct`, a cotangent of `like`, in `like`'s dtype and varying over the same
+    `shard_map` axes: summed (`psum`) over the axes it varies over and `like` does
+    not, as JAX's own transpose of the implicit `pvary` does (a replicated weight's
+    gradient is the sum of every device's), and made varying over those `like`
+    varies over and it does not."""
+    ct = _cast_like(ct, like)
+    if ct is None or not eqx.is_array(like):
+        return ct
+    have, want = varying_axes(ct), varying_axes(like)
+    if have - want:
+        ct = jax.lax.psum(ct, tuple(sorted(have - want)))
+    if want - have:
+        ct = _vary(ct, tuple(sorted(want - have)))
+    return ct
+
+
+def _match_cotangents(ct_tree: Any, like_tree: Any) -> Any:
+    """`_cotangent_like` for every leaf: what a custom VJP's backward pass must
+    return for JAX to accept it, dtype and `shard_map` axes alike."""
+    return jtu.tree_map(
+        _cotangent_like, ct_tree, like_tree, is_leaf=lambda t: t is None
+    )
+
+
 def takes_key(f: Callable[..., Any]) -> bool:
     """Whether `f` accepts a `key=` keyword (by name or through `**kwargs`)."""
     try:

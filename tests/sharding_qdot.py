@@ -10,6 +10,13 @@ exact product, Higham's float32 bound): per-tensor scales are the global batch's
 
 The compiled program's collectives are listed beside those of the same program
 with `jnp.dot`, whose gradient needs one all-reduce of the weight's cotangent.
+
+Then under `jax.shard_map`, where each device runs the program on its own 32 rows
+(the weight and the key replicated): each device's value and input cotangent must
+be the reference of its rows alone (per-tensor scales are then the device's, the
+draws the same key's on every device), and the weight's cotangent, summed over the
+devices by the transpose of its replication, the sum of those references. Planted
+beside it: a weight cotangent summed once more.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from lowp_helpers import mismatches, reference
+from lowp_helpers import U32, gamma, mismatches, reference
 
 import eqxrules
 from eqxrules import recipes
@@ -82,18 +89,99 @@ def _auto(mesh):
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=axes)
 
 
-def check(mesh) -> dict[str, Any]:
+def check(mesh, shard_map: Any, sums_replicated: bool) -> dict[str, Any]:
     """Every recipe on `mesh` (explicit sharding where JAX defaults to it), the
-    planted one on `mesh` with `Auto` axes."""
-    return {**_check(mesh, RECIPES), **_check(_auto(mesh), dict([PLANTED]))}
+    planted one on `mesh` with `Auto` axes; then every recipe under `shard_map`
+    (`sums_replicated`: whether its transpose sums a replicated argument's
+    cotangent over the devices, as from JAX 0.7; before, the program does)."""
+    return {
+        **_check(mesh, RECIPES),
+        **_check(_auto(mesh), dict([PLANTED])),
+        "shard_map": _check_shard_map(mesh, shard_map, sums_replicated),
+    }
 
 
-def _check(mesh, cases: dict[str, Any]) -> dict[str, Any]:
+def _data() -> tuple[np.ndarray, np.ndarray, np.ndarray, jax.Array]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((K, N)).astype(np.float32)
     c = rng.standard_normal((M, N)).astype(np.float32)
-    key = jax.random.key(5)
+    return x, w, c, jax.random.key(5)
+
+
+def _per_device_reference(recipe: Any, devices: int) -> dict[str, Any]:
+    """`{"y": (value, bound), "dx": ..., "dw": ...}` when each of `devices` devices
+    computes on its own rows: `y` and `dx` are the references of each device's
+    rows, stacked; `dw` the sum of the devices' references, within their bounds
+    plus that of summing `devices` float32 values (`gamma(devices)` of the sum of
+    magnitudes, Higham 4.2, whatever the all-reduce's order)."""
+    x, w, c, key = _data()
+    rows = M // devices
+    refs = [
+        reference(
+            recipe, x[d * rows : (d + 1) * rows], w, c[d * rows : (d + 1) * rows], key
+        )
+        for d in range(devices)
+    ]
+    out = {
+        part: tuple(np.concatenate([r[part][i] for r in refs]) for i in (0, 1))
+        for part in ("y", "dx")
+    }
+    values = np.stack([r["dw"][0] for r in refs])
+    bounds = np.stack([r["dw"][1] for r in refs])
+    g = gamma(devices, U32)
+    out["dw"] = (
+        values.sum(0),
+        bounds.sum(0) * (1 + g) + g * (np.abs(values) + bounds).sum(0),
+    )
+    return out
+
+
+def _check_shard_map(mesh, shard_map: Any, sums_replicated: bool) -> dict[str, Any]:
+    x, w, c, key = _data()
+    batch, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+    args = (
+        jax.device_put(x, batch),
+        jax.device_put(w, replicated),
+        jax.device_put(c, batch),
+        key,
+    )
+    cases = {name: (recipe, 0) for name, recipe in RECIPES.items()}
+    cases["planted_weight_cotangent_summed_twice"] = (RECIPES["identity"], 1)
+    out: dict[str, Any] = {}
+    for name, (recipe, extra_sums) in cases.items():
+
+        def local(x, w, c, key, r=recipe, sums=extra_sums + (not sums_replicated)):
+            y, dx, dw = _program(
+                lambda xi, w, key: eqxrules.quantized_dot(xi, w, recipe=r, key=key)
+            )(x, w, c, key)
+            for _ in range(sums):
+                dw = jax.lax.psum(dw, "batch")
+            return y, dx, dw
+
+        program = jax.jit(
+            shard_map(
+                local,
+                mesh=mesh,
+                in_specs=(P("batch"), P(), P("batch"), P()),
+                out_specs=(P("batch"), P("batch"), P()),
+            )
+        )
+        failures = []
+        try:
+            ref = _per_device_reference(recipe, len(mesh.devices.flat))
+            for part, got in zip(("y", "dx", "dw"), program(*args)):
+                bad = mismatches(got, *ref[part])
+                if bad:
+                    failures.append(f"{part}: {bad} elements off")
+        except Exception as e:  # reported, not raised: one JSON for every case
+            failures.append(f"raised {type(e).__name__}: {str(e).splitlines()[0]}")
+        out[name] = failures
+    return out
+
+
+def _check(mesh, cases: dict[str, Any]) -> dict[str, Any]:
+    x, w, c, key = _data()
     batch, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     sharded = (

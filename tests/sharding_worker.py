@@ -204,7 +204,7 @@ def main() -> dict:
             "failures": failures,
         }
     result = {"devices": len(jax.devices()), "entries": entries}
-    result["quantized_dot"] = sharding_qdot.check(mesh)
+    result["quantized_dot"] = sharding_qdot.check(mesh, shard_map, not OLD_SHARD_MAP)
     try:
         figures = _example_module().main(quick=True)
         result["data_parallel"] = {

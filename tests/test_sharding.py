@@ -119,6 +119,17 @@ def test_quantized_dot_sharded_equals_one_device(sharded):
         assert results[name]["failures"] == [], name
 
 
+def test_quantized_dot_under_shard_map_is_each_devices_own(sharded):
+    """Under `shard_map`, each device's value and input cotangent are the reference
+    of its own rows, and the weight's cotangent is their sum, taken once (a sum
+    taken twice, planted, is caught)."""
+    results = sharded["quantized_dot"]["shard_map"]
+    for name in QDOT_RECIPES:
+        assert results[name] == [], name
+    planted = results["planted_weight_cotangent_summed_twice"]
+    assert len(planted) == 1 and planted[0].startswith("dw: "), planted
+
+
 def extra_collectives(ours: list, plain: list) -> list:
     """The collectives of `ours` beyond `plain`'s (each `[op, operand sizes]`):
     any op `plain` lacks, and any all-reduce of more than scalars that `plain`

@@ -344,8 +344,11 @@ def quantized_dot(
     mapped with `vmap` needs. A mapped `w` (an ensemble) or a mapped `key` with an
     unmapped `x` maps the whole product instead; a mapped `key` with a mapped `x` is
     a `ValueError` (the batch's products take one key). So `jax.vmap(jax.grad(f))`
-    does not give per-example gradients of `w`: each is the batch's. Reverse mode
-    only (`jax.grad`, `jax.vjp`); its derivative is not differentiated again.
+    does not give per-example gradients of `w`: each is the batch's. Under
+    `jax.shard_map`, each device's call sees its own rows (its per-tensor scales
+    and batch blocks are its own), and a replicated `w`'s cotangent is summed over
+    the devices, as `jnp.dot`'s is. Reverse mode only (`jax.grad`, `jax.vjp`); its
+    derivative is not differentiated again.
 
     !!! Example
 
