@@ -141,7 +141,11 @@ class FloatQuantize(_Elementwise):
     statement is about $u$: it is $x/s$ rounded once to float32 (exact where $s$ is
     a power of two), and $sL$, $sU$ are rounded to the output's dtype as with
     rounding to nearest. The same key gives the same draw, eagerly and under
-    `jit`; different keys give independent draws. The derivative is the same.
+    `jit`; different keys give independent draws. So under `jax.vmap` with one
+    key for every example, each example draws the same bits (element $i$ of
+    every example rounds up together): map split keys with the batch
+    (`jax.random.split(key, n)`) for independent examples. The derivative is the
+    same.
 
     | `format` | dtype semantics | largest value $M$ | smallest subnormal |
     |---|---|---|---|
