@@ -7,8 +7,9 @@ a sharded argument whose cotangent does not (a constant one).
 
 One device is enough to see the types (a one-device mesh still has its axis); the
 values on eight devices are checked in `sharding_qdot.py`. Planted beside it: the
-cotangents matched in dtype only (JAX 0.10 then refuses them; 0.7 lets the weight's
-through and fails at `out_specs`)."""
+cotangents matched in dtype only, as before, whose weight cotangent still varies
+(JAX 0.10 refuses it in the backward pass; JAX 0.7 at the replicated
+`out_specs`)."""
 
 from __future__ import annotations
 
