@@ -26,7 +26,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
 from ._catalogue import Rule
-from ._lowp.layer import quantize_with_recipe
+from ._lowp.layer import QuantizedLinear, check_layer
 from ._lowp.recipes import Recipe
 from ._registry import catalogue
 from ._tangents import call_with_key
@@ -53,7 +53,11 @@ class Quantized(eqx.Module):
     **Arguments:**
 
     - `layer`: any Equinox layer with a `weight` array: `eqx.nn.Linear`,
-        `eqx.nn.Conv1d`, `Conv2d`, `Conv3d`, ...
+        `eqx.nn.Conv1d`, `Conv2d`, `Conv3d`, ...; or a [`QuantizedLinear`][]:
+        the quantisers then act on its float weight and input first, and the
+        recipe's products quantise what they give, forward and backward (a
+        binarised weight trained with an MXFP8 backward pass, say). This is what
+        [`quantize`][] builds when a layer is given both, in either order.
     - `kernel_quantizer`: a callable applied to the weight, e.g. `eqxrules.SteSign()`.
         `None` leaves the weight as it is.
     - `input_quantizer`: a callable applied to the input. `None` leaves it as it is.
@@ -95,7 +99,7 @@ class Quantized(eqx.Module):
     input_quantizer: Quantizer | None = eqx.field(default=None, kw_only=True)
 
     def __check_init__(self) -> None:
-        weight = getattr(self.layer, "weight", None)
+        weight = getattr(_weighted(self.layer), "weight", None)
         if not eqx.is_array(weight):
             raise TypeError(
                 f"`Quantized`: `layer` (a {type(self.layer).__name__}) must have a "
@@ -122,8 +126,8 @@ class Quantized(eqx.Module):
         if self.kernel_quantizer is None:
             return self.layer
         kernel_quantizer = self._along_reduction(self.kernel_quantizer, "weight")
-        weight = call_with_key(kernel_quantizer, self.layer.weight, key)
-        return eqx.tree_at(lambda layer: layer.weight, self.layer, weight)
+        weight = call_with_key(kernel_quantizer, _weighted(self.layer).weight, key)
+        return eqx.tree_at(lambda layer: _weighted(layer).weight, self.layer, weight)
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         """**Arguments:**
@@ -146,10 +150,24 @@ class Quantized(eqx.Module):
         return call_with_key(self._quantized_layer(kernel_key), x, layer_key)
 
 
+def _weighted(layer: Any) -> Any:
+    """The layer holding the `weight` of a `Quantized`'s `layer`."""
+    return layer.linear if isinstance(layer, QuantizedLinear) else layer
+
+
+def _plain(node: Any) -> Any:
+    """The layer inside any wrapper that `quantize` puts in (`Quantized`,
+    `QuantizedLinear`, or both), the node itself if none."""
+    if isinstance(node, Quantized):
+        node = node.layer
+    return _weighted(node)
+
+
 def _along_reduction(layer: Any, quantizer: Any, role: str, name: str) -> Any:
     """`quantizer`, put along the reduction dimension of `layer` if it asks to be
     (a block quantiser), for the layer's weight or input (`role`); an error names
     the layer as `name`."""
+    layer = _weighted(layer)
     fit = getattr(quantizer, "for_reduction_axis", None)
     axes = _reduction_axes(layer)
     if fit is None or axes is None:
@@ -261,11 +279,24 @@ def quantize(
     recipe: Recipe | None = None,
     where: Callable[[Any], bool] = _has_weight_layer,
 ) -> _M:
-    """Wrap every matching layer of `model` in [`Quantized`][], by tree surgery
-    (`eqx.tree_at`): a whole `eqx.nn.MLP` or CNN becomes binarised in one call.
+    """Quantise every matching layer of `model`, by tree surgery (`eqx.tree_at`):
+    with quantisers, each `eqx.nn.Linear` and `eqx.nn.Conv` becomes a
+    [`Quantized`][] (a whole `eqx.nn.MLP` or CNN binarised in one call); with a
+    `recipe`, each `eqx.nn.Linear` becomes a [`QuantizedLinear`][] (convolutions
+    stay in float32, with a warning).
 
-    Layers already inside a `Quantized` are left alone, so quantising twice does not
-    wrap twice.
+    A layer has two independent settings, its quantisers and its recipe, and a call
+    sets one of them on the layers it selects, whatever they had:
+
+    - Quantising again replaces, never nests: `quantize(quantize(mlp,
+        recipe=recipes.mxfp8()), recipe=recipes.identity())` computes in float32,
+        and the quantisers of a `Quantized` are replaced by the new call's (both
+        of them: a layer becomes what the call would make of its plain layer).
+    - The two compose: quantisers on a layer that has a recipe (or a recipe on a
+        layer that has quantisers) give `Quantized(QuantizedLinear(linear,
+        recipe), ...)`: the quantisers act on the float weight and input first,
+        then the recipe's products quantise what they give, forward and backward.
+        Either order gives this one layer.
 
     **Arguments:**
 
@@ -277,25 +308,34 @@ def quantize(
         `Linear` and `Conv1d/2d/3d`, if the quantiser has `axis=0`). A learned input
         quantiser is fitted with [`calibrate`][].
     - `recipe`: instead of the quantisers, an [`eqxrules.recipes.Recipe`][]: each
-        matching `eqx.nn.Linear` (by default every one) computes its product with
-        [`quantized_dot`][], forward and backward quantised: it becomes a
-        [`QuantizedLinear`][]. Wrap the model in [`Keyed`][] to give each layer a
-        key at every call, as a recipe that draws random numbers needs.
-    - `where`: a predicate choosing the layers to wrap. Default: every
+        matching `eqx.nn.Linear` (by default every one, those inside
+        `eqx.nn.MLP`, `eqx.nn.MultiheadAttention` and the like included) computes
+        its product with [`quantized_dot`][], forward and backward quantised. Wrap
+        the model in [`Keyed`][] to give each layer a key at every call, as a
+        recipe that draws random numbers needs.
+    - `where`: a predicate choosing the layers, given each plain layer (the
+        `eqx.nn.Linear` or `Conv` inside any wrapper a previous call put in, so the
+        same predicate selects the same layers every time). Default: every
         `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`); with
         `recipe`, every `eqx.nn.Linear`.
 
     **Returns:**
 
-    A copy of `model` with each matching layer `layer` replaced by
-    `Quantized(layer, kernel_quantizer=..., input_quantizer=...)`, or with `recipe`
-    by `QuantizedLinear(layer, recipe)`.
+    A copy of `model` with each selected layer quantised as above.
 
     **Raises:**
 
-    `ValueError` if no layer matches `where`.
+    `ValueError` if no layer is selected: `model` has no `eqx.nn.Linear` (nor,
+    without `recipe`, `eqx.nn.Conv`), or none matches the given `where`; or if a
+    recipe's blocks do not divide a selected layer's `in_features` or
+    `out_features` (naming the layer's path, `model.layers[2]`). `TypeError` if
+    `where` selects for `recipe` a layer that is not an `eqx.nn.Linear`.
 
     **Warns:**
+
+    `UserWarning` when `recipe` is given without `where` and `model` has
+    convolutions (`eqx.nn.Conv`, `eqx.nn.ConvTranspose`): a recipe computes
+    `eqx.nn.Linear` layers only, so they stay in float32; the warning names them.
 
     [`NonNegativeSignInputWarning`][] (a `UserWarning`) when `input_quantizer` is a
     sign whose value is +1 on every non-negative input (a rule that declares
@@ -319,40 +359,41 @@ def quantize(
     """
     _check_quantizer("quantize", "kernel_quantizer", kernel_quantizer)
     _check_quantizer("quantize", "input_quantizer", input_quantizer)
-    if recipe is not None:
-        default = where is _has_weight_layer
-        quantizers = (kernel_quantizer, input_quantizer)
-        return quantize_with_recipe(
-            model, recipe, None if default else where, quantizers
+    if recipe is not None and (kernel_quantizer, input_quantizer) != (None, None):
+        raise ValueError(
+            "`quantize`: give `recipe` or the quantisers (`kernel_quantizer`, "
+            "`input_quantizer`), not both in one call. To put quantisers before a "
+            "recipe's products on the same layers, quantise twice: "
+            "`quantize(quantize(model, recipe=...), kernel_quantizer=...)`."
         )
+    default = where is _has_weight_layer
+    if recipe is not None and default:
+        where = _is_linear
 
     def is_leaf(node: Any) -> bool:
-        return isinstance(node, Quantized) or where(node)
+        return isinstance(node, (Quantized, QuantizedLinear)) or where(node)
 
     nodes = jtu.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
-    if not any(where(node) or isinstance(node, Quantized) for _, node in nodes):
-        raise ValueError(
-            f"`quantize`: no layer of `model` (a {type(model).__name__}) matches "
-            "`where`."
-        )
     # `where` is asked about the model's own nodes (so a predicate may test
     # identity); `eqx.tree_at` then replaces them by their paths.
-    targets = [
-        (p, node)
-        for p, node in nodes
-        if not isinstance(node, Quantized) and where(node)
-    ]
+    targets = [(p, node) for p, node in nodes if where(_plain(node))]
     if not targets:
-        return model
-    _warn_constant_sign(model, input_quantizer, targets)
+        raise ValueError(_nothing_selected(model, recipe, default))
+    if recipe is None:
+        _warn_constant_sign(model, input_quantizer, targets)
+    elif default:
+        _warn_float_convolutions(model)
 
-    def wrap(path: tuple[Any, ...], layer: Any) -> Quantized:
+    def wrap(path: tuple[Any, ...], node: Any) -> Any:
         # Checked here first, so that an error names the layer by its path.
-        name = f"the layer at `model{jtu.keystr(path)}`" if path else "`model`"
+        name = f"the layer at `{_path(path)}`"
+        layer = _plain(node)
+        if recipe is not None:
+            return _with_recipe(node, layer, recipe, path, name)
         _along_reduction(layer, kernel_quantizer, "weight", name)
         _along_reduction(layer, input_quantizer, "input", name)
         return Quantized(
-            layer,
+            node.layer if isinstance(node, Quantized) else node,
             kernel_quantizer=_initialised(kernel_quantizer, layer.weight),
             input_quantizer=input_quantizer,
         )
@@ -360,8 +401,72 @@ def quantize(
     return eqx.tree_at(
         lambda m: [_get(m, path) for path, _ in targets],
         model,
-        [wrap(path, layer) for path, layer in targets],
+        [wrap(path, node) for path, node in targets],
     )
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    return f"model{jtu.keystr(path)}"
+
+
+def _is_linear(node: Any) -> bool:
+    return isinstance(node, eqx.nn.Linear)
+
+
+def _with_recipe(
+    node: Any, layer: Any, recipe: Recipe, path: tuple[Any, ...], name: str
+) -> Any:
+    """`node` (a plain layer, or one `quantize` wrapped before) computing `layer`
+    with `recipe`, its quantisers (if any) kept."""
+    if not isinstance(layer, eqx.nn.Linear):
+        raise TypeError(
+            f"`quantize`: `recipe` computes `eqx.nn.Linear` layers; {name} is a "
+            f"{type(layer).__name__}: leave it out with `where=`."
+        )
+    check_layer(layer, recipe, "quantize", name)
+    linear = QuantizedLinear(layer, recipe, path=_path(path))
+    if not isinstance(node, Quantized):
+        return linear
+    quantizers = {"kernel_quantizer": node.kernel_quantizer}
+    return Quantized(linear, input_quantizer=node.input_quantizer, **quantizers)
+
+
+_CONVOLUTIONS = (eqx.nn.Conv, eqx.nn.ConvTranspose)
+
+
+def _convolutions(model: Any) -> list[str]:
+    """The paths of the convolutions of `model`, wrapped or not."""
+    nodes = jtu.tree_flatten_with_path(
+        model, is_leaf=lambda n: isinstance(n, _CONVOLUTIONS)
+    )[0]
+    return [f"`{_path(p)}`" for p, n in nodes if isinstance(n, _CONVOLUTIONS)]
+
+
+def _warn_float_convolutions(model: Any) -> None:
+    convolutions = _convolutions(model)
+    if convolutions:
+        warnings.warn(
+            "`quantize`: `recipe` computes `eqx.nn.Linear` layers only, so the "
+            f"convolutions at {', '.join(convolutions)} stay in float32. Pass "
+            "`where=` (selecting the `eqx.nn.Linear` layers) to say that this is "
+            "meant and silence this warning.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _nothing_selected(model: Any, recipe: Any, default: bool) -> str:
+    """The message of the `ValueError` when no layer of `model` is selected."""
+    start = f"`quantize`: `model` (a {type(model).__name__})"
+    if not default:
+        return f"`quantize`: no layer of `model` (a {type(model).__name__}) matches `where`."
+    if recipe is None:
+        return f"{start} has no `eqx.nn.Linear` or `eqx.nn.Conv` layer to quantise."
+    message = f"{start} has no `eqx.nn.Linear`, the one layer `recipe` computes"
+    convolutions = _convolutions(model)
+    if convolutions:
+        message += f" (its convolutions, {', '.join(convolutions)}, cannot take one)"
+    return message + "."
 
 
 def _initialised(quantizer: Any, array: Array) -> Any:

@@ -399,12 +399,6 @@ SILENT = {
         _quantize_case(_relu_mlp(cls=_SignedMLP), input_quantizer=_S),
         _quantize_case(_relu_mlp(), input_quantizer=_S),
     ),
-    "already quantised": (
-        _quantize_case(
-            eqxrules.quantize(_RELU, kernel_quantizer=_S), input_quantizer=_S
-        ),
-        _quantize_case(_RELU, input_quantizer=_S),
-    ),
 }
 
 

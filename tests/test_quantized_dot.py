@@ -320,15 +320,16 @@ def _call(x, w, recipe=None, **kwargs):
             np.ones((48, 32), np.float32),
             None,
             ValueError,
-            r"forward product reduces K, .* \(=48\), which its `lhs` \(block of 32\)",
+            r"forward product reduces K, .* \(=48\), which its `lhs` \(`x`, in blocks "
+            r"of 32\)",
         ),
         (
             np.ones((4, 64), np.float32),
             np.ones((64, 40), np.float32),
             None,
             ValueError,
-            r"input-gradient product reduces N, .* \(=40\), which its `lhs` \(block of "
-            r"32\)",
+            r"input-gradient product reduces N, .* \(=40\), which its `lhs` \(the "
+            r"output's cotangent, in blocks of 32\)",
         ),
         (
             np.ones((4, 64), np.int32),

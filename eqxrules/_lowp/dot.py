@@ -50,14 +50,15 @@ _NAME = "quantized_dot"
 class Layout(NamedTuple):
     """One product `lhs · rhs` of 2-D float32 operands stored as the layer holds
     them: it reduces axis `lhs_axis` of `lhs` with axis `rhs_axis` of `rhs`. `rows`
-    says which operands have the batch (rows, axis 0); `name` and `reduced` are for
-    messages."""
+    says which operands have the batch (rows, axis 0); `name`, `reduced` and
+    `operands` (what `lhs` and `rhs` are) are for messages."""
 
     name: str
     lhs_axis: int
     rhs_axis: int
     rows: tuple[bool, bool]
     reduced: str
+    operands: tuple[str, str]
 
     @property
     def output_rows(self) -> bool:
@@ -66,11 +67,15 @@ class Layout(NamedTuple):
 
 
 # y = x·w: x [M, K], w [K, N].
-FORWARD = Layout("forward", 1, 0, (True, False), "K")
+FORWARD = Layout("forward", 1, 0, (True, False), "K", ("`x`", "`w`"))
 # dx = dy·wᵀ: dy [M, N], w [K, N].
-INPUT_GRADIENT = Layout("input-gradient", 1, 1, (True, False), "N")
+INPUT_GRADIENT = Layout(
+    "input-gradient", 1, 1, (True, False), "N", ("the output's cotangent", "`w`")
+)
 # dw = xᵀ·dy: x [M, K], dy [M, N].
-WEIGHT_GRADIENT = Layout("weight-gradient", 0, 0, (True, True), "M")
+WEIGHT_GRADIENT = Layout(
+    "weight-gradient", 0, 0, (True, True), "M", ("`x`", "the output's cotangent")
+)
 
 
 def _quantise(q: Any, a: Array, axis: int, key: PRNGKeyArray | None) -> Array:
@@ -88,10 +93,6 @@ def _evaluate(
     """`Q(lhs) · Q(rhs)` in float32, reduced as `layout` says, after the random
     Hadamard transform of both operands if `product` asks for it. `w` is the
     weight, whose sharding the weight-gradient product takes."""
-    message = length_error(product, layout, lhs.shape[layout.lhs_axis])
-    if message is not None:
-        shape = (lhs.shape[1 - layout.lhs_axis], rhs.shape[1 - layout.rhs_axis])
-        return _shape_error.bind(lhs, message=message, shape=shape)
     k_lhs = k_rhs = None
     if key is not None:
         k_lhs, k_rhs, k_signs = operand_keys(key)
@@ -138,16 +139,21 @@ def operand_keys(key: PRNGKeyArray) -> tuple[Array, Array, Array]:
     return k[0], k[1], k[2]
 
 
-def length_error(product: Product, layout: Layout, length: int) -> str | None:
-    """The message of the `ValueError` when a block of `product` (its quantisers'
-    or its Hadamard transform's) does not divide the reduced `length`; else
+def length_error(
+    product: Product, layout: Layout, length: int, dimension: str | None = None
+) -> str | None:
+    """The body of the `ValueError` when a block of `product` (its quantisers' or
+    its Hadamard transform's) does not divide the reduced `length`, named
+    `dimension` (by default as `quantized_dot` names it: K, N or the batch M); else
     `None`."""
     for part, size in block_lengths(product):
         if length % size:
+            operand = dict(zip(("lhs", "rhs"), layout.operands)).get(part)
+            what = "the Hadamard transform" if operand is None else operand
+            dimension = dimension or _DIMENSIONS[layout.reduced]
             return (
-                f"`{_NAME}`: the {layout.name} product reduces "
-                f"{_DIMENSIONS[layout.reduced]} (={length}), which its `{part}` "
-                f"(block of {size}) must divide."
+                f"the {layout.name} product reduces {dimension} (={length}), which "
+                f"its `{part}` ({what}, in blocks of {size}) must divide"
             )
     return None
 
@@ -167,22 +173,53 @@ _shape_error.def_abstract_eval(lambda _, *, message, shape: ShapedArray(shape, _
 mlir.register_lowering(_shape_error, _raise)
 
 
+# `w` is [K, N] here: an `eqx.nn.Linear`'s weight ([out, in]) transposed.
 _DIMENSIONS = {
     "K": "K, the last axis of `x` and the first of `w`",
     "N": "N, the last axis of `w`",
-    "M": "the batch M, the product of `x`'s leading axes (under `jax.vmap`, "
-    "with the mapped axis)",
+    "M": "the batch M, the product of `x`'s leading axes",
 }
+_VMAPPED_BATCH = (
+    "the batch M, the product of `x`'s leading axes and of the axes `jax.vmap` "
+    "maps over `x`"
+)
 
 
-def product(layout: Layout, spec: Product) -> Any:
+def _batch_error(layout: Layout, spec: Product, lhs: Array, rhs: Array, where: Any):
+    """`None`, or the value standing for a product whose blocks do not divide what
+    it reduces: an error when evaluated. `where` is `(vmapped, layer)`: whether
+    `lhs` holds axes joined by `jax.vmap`, and the layer computing the product (a
+    description, or `None`)."""
+    vmapped, layer = where
+    dimension = _VMAPPED_BATCH if vmapped and layout.reduced == "M" else None
+    message = length_error(spec, layout, lhs.shape[layout.lhs_axis], dimension)
+    if message is None:
+        return None
+    message = f"`{_NAME}`: {message}"
+    if layer is not None:
+        message += f" (in {layer}; its input is `x`)"
+    shape = (lhs.shape[1 - layout.lhs_axis], rhs.shape[1 - layout.rhs_axis])
+    return _shape_error.bind(lhs, message=message + ".", shape=shape)
+
+
+def product(layout: Layout, spec: Product, layer: str | None = None) -> Any:
     """`_evaluate` for `layout` and `spec`, as a function of `(lhs, rhs, w, key)`
     whose `vmap` joins the mapped axis to the batch (the rows) unless the weight
     `w` (an operand, or for the weight-gradient product a witness only) or the
-    key is mapped."""
+    key is mapped. `layer` describes the layer computing it, for errors."""
+    return _not_differentiated(_product(layout, spec, (False, layer)))
+
+
+def _product(layout: Layout, spec: Product, where: tuple[bool, str | None]) -> Any:
+    """`product`'s function; `where` as `_batch_error` takes it (so that under
+    `vmap`, where the batched rule calls this with the axes joined, an error says
+    that the mapped axes are part of the batch, and without it does not)."""
 
     @custom_vmap
     def run(lhs: Array, rhs: Array, w: Array, key: Any) -> Array:
+        error = _batch_error(layout, spec, lhs, rhs, where)
+        if error is not None:
+            return error
         return _compiled(spec, layout, lhs, rhs, w, key)
 
     @run.def_vmap
@@ -208,12 +245,13 @@ def product(layout: Layout, spec: Product) -> Any:
             _fold(v, mapped, size) if rows else v
             for v, mapped, rows in zip((lhs, rhs), (lhs_b, rhs_b), layout.rows)
         )
-        out = run(a, b, w, key)
+        # A fresh function (not `run`): the same rule, its errors saying `vmap`.
+        out = _product(layout, spec, (True, where[1]))(a, b, w, key)
         if layout.output_rows:
             return out.reshape(size, -1, out.shape[-1]), True
         return out, False
 
-    return _not_differentiated(run)
+    return run
 
 
 def _not_differentiated(f: Any) -> Any:
@@ -259,6 +297,8 @@ class _QuantizedDot(VJPRule):
     cotangents have their primals' dtypes, and forward mode is a clear error)."""
 
     recipe: Custom = eqx.field(static=True)
+    # The layer computing the product, described for errors (`None`: no layer).
+    layer: str | None = eqx.field(default=None, static=True)
 
     elementwise: ClassVar[bool] = False
 
@@ -270,7 +310,7 @@ class _QuantizedDot(VJPRule):
         k = _keys(key)
         x2 = x.reshape(-1, x.shape[-1]).astype(_F32)
         w32 = w.astype(_F32)
-        y = product(FORWARD, self.recipe.fwd)(x2, w32, w32, k[0])
+        y = product(FORWARD, self.recipe.fwd, self.layer)(x2, w32, w32, k[0])
         return y.reshape(*x.shape[:-1], w.shape[1]).astype(jnp.result_type(x, w))
 
     def bwd(
@@ -281,8 +321,8 @@ class _QuantizedDot(VJPRule):
         x2 = x.reshape(-1, x.shape[-1]).astype(_F32)
         dy = cotangent.reshape(-1, w.shape[1]).astype(_F32)
         w32 = w.astype(_F32)
-        dx = product(INPUT_GRADIENT, self.recipe.dx)(dy, w32, w32, k[1])
-        dw = product(WEIGHT_GRADIENT, self.recipe.dw)(x2, dy, w32, k[2])
+        dx = product(INPUT_GRADIENT, self.recipe.dx, self.layer)(dy, w32, w32, k[1])
+        dw = product(WEIGHT_GRADIENT, self.recipe.dw, self.layer)(x2, dy, w32, k[2])
         return dx.reshape(x.shape), dw
 
 
@@ -327,7 +367,8 @@ def quantized_dot(
     **Arguments:**
 
     - `x`: an array `[..., K]` of floating point.
-    - `w`: a matrix `[K, N]` of floating point.
+    - `w`: a matrix `[K, N]` of floating point (an `eqx.nn.Linear`'s `weight`,
+        `[out_features, in_features]`, is its transpose).
     - `recipe`: an [`eqxrules.recipes.Recipe`][], e.g. `recipes.mxfp8()`.
     - `key`: a PRNG key, required when the recipe rounds stochastically or
         rotates (a `TypeError` otherwise). It is split in three, one key per
@@ -337,6 +378,12 @@ def quantized_dot(
     **Returns:**
 
     `[..., N]`, the value of `Q(x) · Q(w)`.
+
+    **Raises:**
+
+    `ValueError` when a product's blocks do not divide the dimension it reduces:
+    $K$ or $N$ at the call; the batch $M$ when the weight-gradient product runs
+    (at `jax.grad`), the message saying whether `jax.vmap`ped axes are part of it.
 
     Under `jax.vmap` over `x`, the mapped axis joins the batch: the result (value
     and gradients) is that of one call on the whole batch, its weight-gradient
@@ -358,6 +405,20 @@ def quantized_dot(
         y = eqxrules.quantized_dot(x, w, recipe=eqxrules.recipes.mxfp8())
         ```
     """
+    return layer_dot(x, w, recipe=recipe, key=key)
+
+
+def layer_dot(
+    x: Array,
+    w: Array,
+    *,
+    recipe: Recipe,
+    key: PRNGKeyArray | None,
+    layer: str | None = None,
+) -> Array:
+    """`quantized_dot(x, w, recipe=recipe, key=key)` computed for `layer` (a
+    description of the layer, for the weight-gradient product's error: its batch
+    is known only when it runs)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(
             f"`{_NAME}`: `recipe` (={recipe!r}) must be an "
@@ -380,7 +441,7 @@ def quantized_dot(
     ):
         message = length_error(spec, layout, length)
         if message is not None:
-            raise ValueError(message)
+            raise ValueError(f"`{_NAME}`: {message}.")
     random = reads_key(products)
     if random and key is None:
         raise TypeError(
@@ -388,7 +449,7 @@ def quantized_dot(
             "needs a PRNG key: pass `key=`."
         )
     # A key the recipe does not read is dropped, so that it cannot constrain `vmap`.
-    return _QuantizedDot(products)(x, w, key=key if random else None)
+    return _QuantizedDot(products, layer)(x, w, key=key if random else None)
 
 
 __all__ = ["quantized_dot"]

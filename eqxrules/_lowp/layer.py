@@ -1,7 +1,7 @@
 """A recipe in a model: `QuantizedLinear` computes an `eqx.nn.Linear` with
 [`quantized_dot`][eqxrules.quantized_dot], and `Keyed` gives each of a model's
 `QuantizedLinear` layers its own key at every call. `quantize(model, recipe=...)`
-puts the layers in (`quantize_with_recipe`).
+puts the layers in.
 
 How keys reach the layers. Most models call their layers without a key
 (`eqx.nn.MLP`, `eqx.nn.MultiheadAttention`'s projections), yet stochastic rounding
@@ -16,7 +16,6 @@ the recipe needs one, is an error.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -26,7 +25,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
 from .._tangents import takes_key
-from .dot import FORWARD, INPUT_GRADIENT, length_error, quantized_dot
+from .dot import FORWARD, INPUT_GRADIENT, layer_dot, length_error
 from .recipes import Recipe, reads_key
 
 
@@ -44,15 +43,21 @@ class QuantizedLinear(eqx.Module):
 
     - `linear`: the `eqx.nn.Linear`. Its `in_features` must be divisible by the
         blocks of the forward product and its `out_features` by those of the
-        input-gradient product (a `ValueError` otherwise).
+        input-gradient product (a `ValueError` otherwise). (Its weight is
+        `[out_features, in_features]`; `quantized_dot`'s `w` is its transpose.)
     - `recipe`: an [`eqxrules.recipes.Recipe`][].
     - `key`: a key to use when the call gives none (set by `Keyed` for one call;
         leave it `None`).
+    - `path`: where the layer is in its model, as `model.layers[1]`, for the
+        error raised when the weight-gradient product's blocks do not divide the
+        batch (known only when it runs). `quantize` sets it; `None` names the layer
+        by its shape.
     """
 
     linear: eqx.nn.Linear
     recipe: Recipe = eqx.field(static=True)
     key: PRNGKeyArray | None = None
+    path: str | None = eqx.field(default=None, static=True, kw_only=True)
 
     def __check_init__(self) -> None:
         if not isinstance(self.linear, eqx.nn.Linear):
@@ -60,7 +65,7 @@ class QuantizedLinear(eqx.Module):
                 f"`QuantizedLinear`: `linear` (a {type(self.linear).__name__}) must "
                 "be an `eqx.nn.Linear`."
             )
-        check_layer(self.linear, self.recipe, "`QuantizedLinear`'s `linear`")
+        check_layer(self.linear, self.recipe, "QuantizedLinear", "`linear`")
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         """**Arguments:**
@@ -86,30 +91,45 @@ class QuantizedLinear(eqx.Module):
         linear = self.linear
         if linear.in_features == "scalar":
             x = jnp.reshape(x, (*jnp.shape(x), 1))
-        y = quantized_dot(x, linear.weight.T, recipe=self.recipe, key=key)
+        where = f"the layer at `{self.path}`" if self.path else "a `QuantizedLinear`"
+        where += f", {_features(linear)}"
+        y = layer_dot(x, linear.weight.T, recipe=self.recipe, key=key, layer=where)
         if linear.bias is not None:
             y = y + linear.bias
         return y[..., 0] if linear.out_features == "scalar" else y
 
 
-def check_layer(linear: eqx.nn.Linear, recipe: Recipe, name: str) -> None:
-    """A `ValueError` naming the layer as `name` unless the forward product's blocks
-    divide its `in_features` and the input-gradient product's its
-    `out_features`; a `TypeError` unless `recipe` is a recipe."""
+def check_layer(linear: eqx.nn.Linear, recipe: Recipe, function: str, name: str):
+    """A `ValueError` from `function`, naming the layer as `name`, unless the
+    forward product's blocks divide its `in_features` and the input-gradient
+    product's its `out_features`; a `TypeError` unless `recipe` is a recipe."""
     if not isinstance(recipe, Recipe):
         raise TypeError(
-            f"`quantize`: `recipe` (={recipe!r}) must be an "
+            f"`{function}`: `recipe` (={recipe!r}) must be an "
             "`eqxrules.recipes.Recipe`, e.g. `eqxrules.recipes.mxfp8()`."
         )
     n_out, n_in = linear.weight.shape
     products = recipe.products()
-    for spec, layout, length in (
-        (products.fwd, FORWARD, n_in),
-        (products.dx, INPUT_GRADIENT, n_out),
+    for spec, layout, length, features in (
+        (products.fwd, FORWARD, n_in, "in_features"),
+        (products.dx, INPUT_GRADIENT, n_out, "out_features"),
     ):
-        message = length_error(spec, layout, length)
+        message = length_error(spec, layout, length, f"its `{features}`")
         if message is not None:
-            raise ValueError(f"{message} (in {name}, weight shape {(n_out, n_in)})")
+            advice = " Leave it out with `where=`." if function == "quantize" else ""
+            raise ValueError(
+                f"`{function}`: {name} ({_features(linear)}) cannot take `recipe`: "
+                f"{message}.{advice}"
+            )
+
+
+def _features(linear: eqx.nn.Linear) -> str:
+    """The layer's sizes in its own terms (the weight is `[out, in]`)."""
+    n_out, n_in = linear.weight.shape
+    return (
+        f"an `eqx.nn.Linear` with `in_features`={n_in} and `out_features`={n_out}, "
+        f"weight shape {(n_out, n_in)}"
+    )
 
 
 def _is_layer(node: Any) -> bool:
@@ -171,54 +191,3 @@ class Keyed(eqx.Module):
         if takes_key(model):
             return model(*args, key=keys[-1], **kwargs)
         return model(*args, **kwargs)
-
-
-def quantize_with_recipe(
-    model: Any,
-    recipe: Recipe,
-    where: Callable[[Any], bool] | None,
-    quantizers: tuple[Any, Any] = (None, None),
-) -> Any:
-    """`quantize(model, recipe=recipe, where=where)`: every `eqx.nn.Linear` that
-    `where` selects (all by default) becomes a `QuantizedLinear`. `quantizers` are `quantize`'s other two arguments,
-    which must be `None`."""
-    if quantizers != (None, None):
-        raise ValueError(
-            "`quantize`: give `recipe` or the quantisers (`kernel_quantizer`, "
-            "`input_quantizer`), not both: a recipe quantises the weight and the "
-            "input itself."
-        )
-    select = where or (lambda node: isinstance(node, eqx.nn.Linear))
-
-    def is_leaf(node: Any) -> bool:
-        return _is_layer(node) or select(node)
-
-    nodes = jtu.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
-    targets = [(p, n) for p, n in nodes if not _is_layer(n) and select(n)]
-    if not targets and not any(_is_layer(n) for _, n in nodes):
-        raise ValueError(
-            f"`quantize`: no layer of `model` (a {type(model).__name__}) matches "
-            "`where`."
-        )
-    for path, layer in targets:
-        name = f"the layer at `model{jtu.keystr(path)}`" if path else "`model`"
-        if not isinstance(layer, eqx.nn.Linear):
-            raise TypeError(
-                f"`quantize`: `recipe` computes `eqx.nn.Linear` layers; {name} is a "
-                f"{type(layer).__name__}: leave it out with `where=`."
-            )
-        check_layer(layer, recipe, name)
-    paths = {p for p, _ in targets}
-
-    def chosen(m: Any) -> list[Any]:
-        # By path: `tree_at` calls this on a copy of `model` whose arrays are
-        # replaced, where a `where` testing values or identity would fail.
-        found = jtu.tree_flatten_with_path(m, is_leaf=_is_linear)[0]
-        return [n for p, n in found if p in paths]
-
-    wrapped = [QuantizedLinear(layer, recipe) for _, layer in targets]
-    return eqx.tree_at(chosen, model, wrapped) if targets else model
-
-
-def _is_linear(node: Any) -> bool:
-    return isinstance(node, (eqx.nn.Linear, QuantizedLinear))
