@@ -1,0 +1,262 @@
+"""`quantize` on whole models (issue 25 §3, and §4's weight-gradient block error):
+quantisers and a recipe on one layer compose; quantising again replaces (the new
+recipe or quantisers, on the layers `where` selects, given the plain layer);
+convolutions a recipe leaves in float32 are warned about; a model with nothing to
+quantise says so; the weight-gradient product's block error names the layer, uses
+the layer's own orientation, and mentions `jax.vmap` only under it.
+
+Each test here failed on `625b3dc`, where the mixed model raised `AttributeError`
+when called, a second recipe was ignored, convolutions stayed float32 silently,
+and the block error mentioned `vmap` without one and named no layer."""
+
+from __future__ import annotations
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqxrules
+from eqxrules import recipes
+
+KEY = jax.random.key(5)
+MLP = eqx.nn.MLP(64, 32, 64, 2, activation=jnp.tanh, key=KEY)  # 64 -> 64 -> 64 -> 32
+XS = jax.random.normal(jax.random.key(6), (32, 64))
+SIGN = eqxrules.SteSign()
+
+
+def _sign(a):
+    return jnp.where(a >= 0, 1.0, -1.0)
+
+
+def _by_hand(layer_fn, xs):
+    """The MLP's output with each layer computed by `layer_fn(i, layer, h)`."""
+    h = xs
+    for i, layer in enumerate(MLP.layers):
+        h = layer_fn(i, layer, h)
+        if i < len(MLP.layers) - 1:
+            h = jnp.tanh(h)
+    return h
+
+
+def _recipe_dot(h, weight, bias, recipe):
+    return eqxrules.quantized_dot(h, weight.T, recipe=recipe) + bias
+
+
+# 1. Quantisers and a recipe on one layer compose.
+
+
+@pytest.mark.parametrize("order", ["quantisers first", "recipe first"])
+def test_quantisers_and_a_recipe_compose_on_one_layer(order):
+    """Either order gives `Quantized(QuantizedLinear(linear))`, whose value is the
+    recipe's product of the sign of the weight (the rule first, then the recipe),
+    and whose weight gradient reaches the float weight."""
+    if order == "quantisers first":
+        q = eqxrules.quantize(
+            eqxrules.quantize(MLP, kernel_quantizer=SIGN), recipe=recipes.mxfp8()
+        )
+    else:
+        q = eqxrules.quantize(
+            eqxrules.quantize(MLP, recipe=recipes.mxfp8()), kernel_quantizer=SIGN
+        )
+    for layer in q.layers:
+        assert type(layer) is eqxrules.Quantized
+        assert type(layer.layer) is eqxrules.QuantizedLinear
+        assert type(layer.layer.linear) is eqx.nn.Linear
+        assert layer.kernel_quantizer == SIGN
+        assert layer.layer.recipe == recipes.mxfp8()
+    got = np.asarray(q(XS))
+    expected = _by_hand(
+        lambda i, l, h: _recipe_dot(h, _sign(l.weight), l.bias, recipes.mxfp8()), XS
+    )
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    # Planted: the rule dropped (the recipe alone) is another function.
+    recipe_only = _by_hand(
+        lambda i, l, h: _recipe_dot(h, l.weight, l.bias, recipes.mxfp8()), XS
+    )
+    assert not np.allclose(got, recipe_only, atol=1e-3)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(XS) ** 2))(q)
+    assert all(np.any(layer.layer.linear.weight != 0) for layer in grads.layers)
+
+
+def test_a_recipe_and_quantisers_in_one_call_say_how_to_compose():
+    with pytest.raises(ValueError, match=r"not both in one call.*quantise twice"):
+        eqxrules.quantize(MLP, recipe=recipes.mxfp8(), kernel_quantizer=SIGN)
+
+
+# 2. Quantising again replaces.
+
+
+def _last(layer):
+    return isinstance(layer, eqx.nn.Linear) and layer.out_features == 32
+
+
+def test_a_second_recipe_replaces_the_first():
+    """`identity()` for evaluation gives the float model; with `where=` (given the
+    plain layer), only the selected layers change."""
+    mx = eqxrules.quantize(MLP, recipe=recipes.mxfp8())
+    plain = eqxrules.quantize(mx, recipe=recipes.identity())
+    assert [layer.recipe for layer in plain.layers] == [recipes.identity()] * 3
+    assert all(type(layer.linear) is eqx.nn.Linear for layer in plain.layers)
+    np.testing.assert_allclose(plain(XS), jax.vmap(MLP)(XS), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(mx(XS), jax.vmap(MLP)(XS), atol=1e-3)  # it was MXFP8
+
+    mixed = eqxrules.quantize(mx, recipe=recipes.fp8(), where=_last)
+    kinds = [layer.recipe for layer in mixed.layers]
+    assert kinds == [recipes.mxfp8(), recipes.mxfp8(), recipes.fp8()]
+    expected = _by_hand(lambda i, l, h: _recipe_dot(h, l.weight, l.bias, kinds[i]), XS)
+    np.testing.assert_allclose(mixed(XS), expected, rtol=1e-6, atol=1e-6)
+    # The paths the layers are named by follow the model.
+    assert [layer.path for layer in mixed.layers] == [
+        f"model.layers[{i}]" for i in range(3)
+    ]
+
+
+def test_second_quantisers_replace_the_first_and_keep_a_recipe():
+    binary = eqxrules.quantize(MLP, kernel_quantizer=SIGN, input_quantizer=SIGN)
+    rounded = eqxrules.quantize(binary, kernel_quantizer=eqxrules.SteRound())
+    for layer in rounded.layers:
+        assert type(layer.layer) is eqx.nn.Linear  # replaced, not nested
+        assert layer.kernel_quantizer == eqxrules.SteRound()
+        assert layer.input_quantizer is None  # what the call makes of a plain layer
+    last = eqxrules.quantize(binary, kernel_quantizer=eqxrules.SteRound(), where=_last)
+    assert [layer.kernel_quantizer for layer in last.layers] == [SIGN, SIGN] + [
+        eqxrules.SteRound()
+    ]
+    both = eqxrules.quantize(
+        eqxrules.quantize(binary, recipe=recipes.mxfp8()), recipe=recipes.fp8()
+    )
+    again = eqxrules.quantize(both, kernel_quantizer=eqxrules.SteRound())
+    for layer in again.layers:
+        assert layer.layer.recipe == recipes.fp8()
+        assert layer.kernel_quantizer == eqxrules.SteRound()
+        assert type(layer.layer.linear) is eqx.nn.Linear
+
+
+def test_requantising_with_a_sign_after_relu_warns():
+    """The new input quantiser is put on, so the constant-sign warning holds for it
+    (on `625b3dc` nothing was put on, and nothing warned)."""
+    relu = eqx.nn.MLP(4, 3, 8, 2, key=KEY)
+    binary = eqxrules.quantize(relu, kernel_quantizer=SIGN)
+    with pytest.warns(eqxrules.NonNegativeSignInputWarning, match="layers\\[1\\]"):
+        again = eqxrules.quantize(binary, input_quantizer=SIGN)
+    assert all(layer.input_quantizer == SIGN for layer in again.layers)
+
+
+# 3. Convolutions, and models with nothing to quantise.
+
+
+def _cnn():
+    k1, k2, k3 = jax.random.split(KEY, 3)
+    return eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(1, 8, 3, key=k1),
+            eqx.nn.Lambda(jnp.ravel),
+            eqx.nn.Linear(8 * 6 * 6, 32, key=k3),  # 8x8 images
+            eqx.nn.Lambda(jnp.tanh),
+            eqx.nn.ConvTranspose1d(1, 1, 1, key=k2),
+        ]
+    )
+
+
+def test_a_recipe_warns_of_the_convolutions_it_leaves_in_float32():
+    cnn = _cnn()
+    with pytest.warns(UserWarning) as caught:
+        q = eqxrules.quantize(cnn, recipe=recipes.mxfp8())
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    for part in ("`model.layers[0]`", "`model.layers[4]`", "stay in float32"):
+        assert part in message, message
+    assert type(q.layers[2]) is eqxrules.QuantizedLinear
+    assert type(q.layers[0]) is eqx.nn.Conv2d
+    # With `where=`, the choice is the user's: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqxrules.quantize(cnn, recipe=recipes.mxfp8(), where=_last)
+    # A convolution inside a `Quantized` is named by its path too.
+    binary = eqxrules.quantize(cnn, kernel_quantizer=SIGN)
+    with pytest.warns(UserWarning, match=r"`model.layers\[0\].layer`"):
+        eqxrules.quantize(binary, recipe=recipes.mxfp8())
+
+
+def test_a_model_with_nothing_to_quantise_says_what_it_lacks():
+    convs = eqx.nn.Sequential([eqx.nn.Conv1d(4, 4, 3, key=KEY)])
+    with pytest.raises(ValueError) as info:
+        eqxrules.quantize(convs, recipe=recipes.mxfp8())
+    message = str(info.value)
+    assert "has no `eqx.nn.Linear`" in message and "`model.layers[0]`" in message
+    assert "where" not in message, message
+    norm = eqx.nn.Sequential([eqx.nn.LayerNorm(4), eqx.nn.Embedding(3, 4, key=KEY)])
+    with pytest.raises(ValueError) as info:
+        eqxrules.quantize(norm, kernel_quantizer=SIGN)
+    message = str(info.value)
+    assert "has no `eqx.nn.Linear` or `eqx.nn.Conv`" in message
+    assert "where" not in message, message
+    for kwargs in ({"recipe": recipes.mxfp8()}, {"kernel_quantizer": SIGN}):
+        with pytest.raises(ValueError, match="no layer of `model` .* matches `where`"):
+            eqxrules.quantize(MLP, where=lambda layer: False, **kwargs)
+
+
+# 4. The block errors.
+
+
+def _check_layer_block_error(message: str, vmapped: bool) -> None:
+    """The weight-gradient block error of the `QuantizedLinear` at
+    `model.layers[2]` (the first the backward pass reaches) on a batch of 10."""
+    assert "weight-gradient product reduces the batch M" in message, message
+    assert "(=10)" in message, message
+    assert "the layer at `model.layers[2]`" in message, message
+    assert "`in_features`=64 and `out_features`=32" in message, message
+    assert ("jax.vmap" in message) == vmapped, message
+
+
+# The message on `625b3dc` (planted below: the check must fail it).
+_OLD = (
+    "`quantized_dot`: the weight-gradient product reduces the batch M, the product "
+    "of `x`'s leading axes (under `jax.vmap`, with the mapped axis) (=10), which its "
+    "`lhs` (block of 32) must divide."
+)
+
+
+def test_the_weight_gradient_block_error_names_the_layer_and_vmap_only_under_it():
+    q = eqxrules.quantize(MLP, recipe=recipes.mxfp8())
+    xs = XS[:10]
+    for vmapped, loss in (
+        (False, lambda m: jnp.sum(m(xs))),
+        (True, lambda m: jnp.sum(jax.vmap(m)(xs))),
+    ):
+        with pytest.raises(ValueError) as info:
+            eqx.filter_grad(loss)(q)
+        _check_layer_block_error(str(info.value), vmapped)
+    with pytest.raises(AssertionError):
+        _check_layer_block_error(_OLD, vmapped=False)
+    # `quantized_dot` alone: no layer, and no `vmap` where there is none.
+    w = jnp.ones((64, 32))
+    with pytest.raises(ValueError) as info:
+        jax.grad(lambda w: jnp.sum(eqxrules.quantized_dot(xs, w, recipe=MXFP8)))(w)
+    message = str(info.value)
+    assert "vmap" not in message and "layer" not in message, message
+
+
+MXFP8 = recipes.mxfp8()
+
+
+def test_a_layer_block_error_speaks_of_the_layer_in_its_own_orientation():
+    """`eqx.nn.Linear(2048, 10)`: its weight is (10, 2048); the error names
+    `out_features`, never `w`'s axes (the transpose of the weight)."""
+    head = eqx.nn.Sequential([eqx.nn.Linear(2048, 10, key=KEY)])
+    with pytest.raises(ValueError) as info:
+        eqxrules.quantize(head, recipe=MXFP8)
+    message = str(info.value)
+    for part in (
+        "`quantize`: the layer at `model.layers[0]`",
+        "`in_features`=2048 and `out_features`=10, weight shape (10, 2048)",
+        "input-gradient product reduces its `out_features` (=10)",
+    ):
+        assert part in message, message
+    assert "`w`" not in message, message
+    with pytest.raises(ValueError, match=r"`QuantizedLinear`: `linear` \(an `eqx"):
+        eqxrules.QuantizedLinear(head.layers[0], MXFP8)
