@@ -15,14 +15,11 @@ from ._catalogue import (
     functional as functional,
 )
 from ._hyper import hyperparameter as hyperparameter, parameter as parameter
-from ._layers import (
-    NonNegativeSignInputWarning as NonNegativeSignInputWarning,
-    Quantized as Quantized,
-    quantize as quantize,
-)
+from ._layers import Quantized as Quantized, quantize as quantize
 from ._lowp.dot import quantized_dot as quantized_dot
 from ._lowp.layer import Keyed as Keyed, QuantizedLinear as QuantizedLinear
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
+from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
 from ._tangents import partial_jvp as partial_jvp
 from ._verify import (
     RuleVerification as RuleVerification,

@@ -1,17 +1,22 @@
 """Layers built from rules: `Quantized` wraps a layer with a `weight`, and `quantize`
-wraps every such layer of a model (`calibrate`, in `_calibrate`, initialises learned
-input quantisers from data).
+wraps every such layer of a model, with quantisers or a recipe (`calibrate`, in
+`_calibrate`, initialises learned input quantisers from data).
 
-`quantize` also warns (`NonNegativeSignInputWarning`) where a sign input
-quantiser provably sees only non-negative inputs (after an `eqx.nn.MLP`'s ReLU, say):
-its output is then +1 everywhere.
+A layer `quantize` reaches has two settings, each a wrapper in a fixed order:
+`Quantized(QuantizedLinear(linear, recipe), ...)`. A call sets one of them on the
+layers it selects (`where` sees the plain layer inside the wrappers) and keeps the
+other, so quantising again replaces and never nests, and the order of two calls
+does not matter. (Mixing them by nesting in call order built models that failed
+when called: `Quantized` reads its layer's `weight`, `QuantizedLinear` its
+`in_features`.)
+
+`quantize` also warns (`NonNegativeSignInputWarning`, in `_sign_warning`) where a
+sign input quantiser provably sees only non-negative inputs.
 
 A quantiser with learned parameters (an [`LSQ`][] step, say) joins in through one
 method, `initialised_from(array) -> quantiser`: a copy of itself fitted to `array`.
 `quantize` calls it on each layer's weight, `calibrate` on each layer's input;
-nothing here names a quantiser: the warning's sign rules are those that declare
-`constant_on_non_negative: ClassVar[bool] = True` (their value is +1 on every
-non-negative input)."""
+nothing here names a quantiser."""
 
 from __future__ import annotations
 
@@ -21,14 +26,12 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
-from ._catalogue import Rule
 from ._lowp.layer import QuantizedLinear, check_layer
 from ._lowp.recipes import Recipe
-from ._registry import catalogue
+from ._sign_warning import warn_constant_sign
 from ._tangents import call_with_key
 
 _M = TypeVar("_M")
@@ -198,79 +201,6 @@ def _has_weight_layer(node: Any) -> bool:
     return isinstance(node, (eqx.nn.Linear, eqx.nn.Conv))
 
 
-class NonNegativeSignInputWarning(UserWarning):
-    """Warned by [`quantize`][] when a sign input quantiser is put on a layer whose
-    input is provably never negative: the sign is then +1 everywhere (`sign(0) = +1`),
-    so the layer sees the same input whatever the data, and the network trains at
-    chance. What is detected is listed under [`quantize`][]."""
-
-
-# Activations whose value is never negative (NaN aside), named as a user writes them.
-_NON_NEGATIVE = (
-    (jax.nn.relu, "jax.nn.relu"),
-    (jax.nn.relu6, "jax.nn.relu6"),
-    (jax.nn.sigmoid, "jax.nn.sigmoid"),
-    (jax.nn.hard_sigmoid, "jax.nn.hard_sigmoid"),
-    (jax.nn.softplus, "jax.nn.softplus"),
-    (jax.nn.sparse_plus, "jax.nn.sparse_plus"),
-    (jax.nn.sparse_sigmoid, "jax.nn.sparse_sigmoid"),
-    (jax.nn.softmax, "jax.nn.softmax"),
-    (jnp.abs, "jnp.abs"),
-    (jnp.exp, "jnp.exp"),
-)
-
-
-def _is_sign(quantizer: Any) -> bool:
-    """Whether `quantizer` (a rule, or a rule's functional form) declares that its
-    value is +1 on every non-negative input (sign(0) = +1)."""
-    if isinstance(quantizer, Rule):
-        rule: Any = type(quantizer)
-    else:
-        rule = next((e.module for e in catalogue() if e.function is quantizer), None)
-    return bool(getattr(rule, "constant_on_non_negative", False))
-
-
-def _non_negative_name(activation: Any) -> str | None:
-    return next((name for f, name in _NON_NEGATIVE if activation is f), None)
-
-
-def _warn_constant_sign(
-    model: Any, input_quantizer: Any, targets: list[tuple[Any, Any]]
-) -> None:
-    """Warn, once per `eqx.nn.MLP` of `model`, if `input_quantizer` is a sign and
-    the MLP's activation is never negative, naming the layers of `targets` (the
-    `(path, layer)` pairs about to be wrapped) that come after that activation."""
-    if not _is_sign(input_quantizer):
-        return
-    wrapped = {id(layer): path for path, layer in targets}
-
-    def is_mlp(node: Any) -> bool:
-        # Exactly `eqx.nn.MLP`: a subclass may call its layers otherwise.
-        return type(node) is eqx.nn.MLP
-
-    for path, mlp in jtu.tree_flatten_with_path(model, is_leaf=is_mlp)[0]:
-        if not is_mlp(mlp):
-            continue
-        activation = _non_negative_name(mlp.activation)
-        # Every layer but the first takes the activation's output.
-        after = [wrapped[id(layer)] for layer in mlp.layers[1:] if id(layer) in wrapped]
-        if activation is None or not after:
-            continue
-        where = f"the `eqx.nn.MLP` at `model{jtu.keystr(path)}`" if path else "`model`"
-        layers = ", ".join(f"`model{jtu.keystr(p)}`" for p in after)
-        warnings.warn(
-            f"`quantize`: the input quantiser {input_quantizer!r} of {layers} sees "
-            f"the output of the activation `{activation}` of {where}, which is never "
-            "negative, so its sign is +1 everywhere and these layers see a constant "
-            "input: the network cannot learn. Put an activation with both signs "
-            "before the sign (`jax.nn.hard_tanh`, or the identity, scaled into the "
-            "quantiser's clip window), or leave these layers' inputs unquantised "
-            "with `where=`.",
-            NonNegativeSignInputWarning,
-            stacklevel=3,
-        )
-
-
 def quantize(
     model: _M,
     *,
@@ -380,7 +310,7 @@ def quantize(
     if not targets:
         raise ValueError(_nothing_selected(model, recipe, default))
     if recipe is None:
-        _warn_constant_sign(model, input_quantizer, targets)
+        warn_constant_sign(model, input_quantizer, targets)
     elif default:
         _warn_float_convolutions(model)
 

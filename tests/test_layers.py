@@ -251,7 +251,7 @@ def test_quantized_passes_the_layer_its_part_of_the_key():
 
 # -- the sign-after-ReLU warning -----------------------------------------------------
 
-_Warning = eqxrules._layers.NonNegativeSignInputWarning
+_Warning = eqxrules.NonNegativeSignInputWarning
 
 
 def _relu_mlp(activation=None, cls=eqx.nn.MLP):
@@ -351,7 +351,7 @@ def test_planted_defect_a_detector_that_misses_relu_fails_the_warning_check(
     monkeypatch,
 ):
     mlp = _relu_mlp()
-    monkeypatch.setattr(eqxrules._layers, "_NON_NEGATIVE", ())
+    monkeypatch.setattr(eqxrules._sign_warning, "_NON_NEGATIVE", ())
     with pytest.raises(AssertionError):
         _check_warns(lambda: eqxrules.quantize(mlp, input_quantizer=eqxrules.SteSign()))
 

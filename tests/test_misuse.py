@@ -564,6 +564,9 @@ def test_quantize_a_model_without_layers():
     _require("quantize")
     with pytest.raises(ValueError) as info:
         eqxrules.quantize(jnp.tanh, kernel_quantizer=jnp.sign)
+    _assert_names(str(info.value), ["quantize"], "`model`", "`eqx.nn.Linear`")
+    with pytest.raises(ValueError) as info:
+        eqxrules.quantize(_mlp(), where=lambda node: False)
     _assert_names(str(info.value), ["quantize"], "`model`", "`where`")
 
 

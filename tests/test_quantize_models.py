@@ -70,12 +70,13 @@ def test_quantisers_and_a_recipe_compose_on_one_layer(order):
         assert layer.layer.recipe == recipes.mxfp8()
     got = np.asarray(q(XS))
     expected = _by_hand(
-        lambda i, l, h: _recipe_dot(h, _sign(l.weight), l.bias, recipes.mxfp8()), XS
+        lambda i, lin, h: _recipe_dot(h, _sign(lin.weight), lin.bias, recipes.mxfp8()),
+        XS,
     )
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     # Planted: the rule dropped (the recipe alone) is another function.
     recipe_only = _by_hand(
-        lambda i, l, h: _recipe_dot(h, l.weight, l.bias, recipes.mxfp8()), XS
+        lambda i, lin, h: _recipe_dot(h, lin.weight, lin.bias, recipes.mxfp8()), XS
     )
     assert not np.allclose(got, recipe_only, atol=1e-3)
     grads = eqx.filter_grad(lambda m: jnp.sum(m(XS) ** 2))(q)
@@ -107,7 +108,9 @@ def test_a_second_recipe_replaces_the_first():
     mixed = eqxrules.quantize(mx, recipe=recipes.fp8(), where=_last)
     kinds = [layer.recipe for layer in mixed.layers]
     assert kinds == [recipes.mxfp8(), recipes.mxfp8(), recipes.fp8()]
-    expected = _by_hand(lambda i, l, h: _recipe_dot(h, l.weight, l.bias, kinds[i]), XS)
+    expected = _by_hand(
+        lambda i, lin, h: _recipe_dot(h, lin.weight, lin.bias, kinds[i]), XS
+    )
     np.testing.assert_allclose(mixed(XS), expected, rtol=1e-6, atol=1e-6)
     # The paths the layers are named by follow the model.
     assert [layer.path for layer in mixed.layers] == [
