@@ -270,10 +270,11 @@ def quantize(
     [`NonNegativeSignInputWarning`][] (a `UserWarning`) when `input_quantizer` is a
     sign whose value is +1 on every non-negative input (a rule that declares
     `constant_on_non_negative = True`: [`SteSign`][], [`ApproxSign`][],
-    [`SwishSign`][], [`QuadraticSign`][], or their functional forms) and a layer it is put on provably sees only non-negative inputs (so the
-    sign is constant and the network trains at chance): a layer after the first of an
-    `eqx.nn.MLP` (exactly that class, anywhere in `model`) whose `activation` is
-    `jax.nn.relu` (the default), `relu6`, `sigmoid`, `hard_sigmoid`, `softplus`,
+    [`SwishSign`][], [`QuadraticSign`][], or their functional forms) and a layer it
+    is put on provably sees only non-negative inputs (so the sign is constant and
+    the network trains at chance): a layer after the first of an `eqx.nn.MLP`
+    (exactly that class, anywhere in `model`) whose `activation` is `jax.nn.relu`
+    (the default), `relu6`, `sigmoid`, `hard_sigmoid`, `softplus`,
     `sparse_plus`, `sparse_sigmoid`, `softmax`, `jnp.abs` or `jnp.exp`. Not
     detected: the first layer (its input is the data: centre pixels in [0, 1]
     yourself), activations in an `eqx.nn.Sequential` or a model of your own, other
@@ -357,8 +358,8 @@ def _with_recipe(
     linear = QuantizedLinear(layer, recipe, path=_path(path))
     if not isinstance(node, Quantized):
         return linear
-    quantizers = {"kernel_quantizer": node.kernel_quantizer}
-    return Quantized(linear, input_quantizer=node.input_quantizer, **quantizers)
+    kernel, inputs = node.kernel_quantizer, node.input_quantizer
+    return Quantized(linear, kernel_quantizer=kernel, input_quantizer=inputs)
 
 
 _CONVOLUTIONS = (eqx.nn.Conv, eqx.nn.ConvTranspose)
@@ -387,12 +388,12 @@ def _warn_float_convolutions(model: Any) -> None:
 
 def _nothing_selected(model: Any, recipe: Any, default: bool) -> str:
     """The message of the `ValueError` when no layer of `model` is selected."""
-    start = f"`quantize`: `model` (a {type(model).__name__})"
+    name = f"`model` (a {type(model).__name__})"
     if not default:
-        return f"`quantize`: no layer of `model` (a {type(model).__name__}) matches `where`."
+        return f"`quantize`: no layer of {name} matches `where`."
     if recipe is None:
-        return f"{start} has no `eqx.nn.Linear` or `eqx.nn.Conv` layer to quantise."
-    message = f"{start} has no `eqx.nn.Linear`, the one layer `recipe` computes"
+        return f"`quantize`: {name} has no `eqx.nn.Linear` or `eqx.nn.Conv` layer."
+    message = f"`quantize`: {name} has no `eqx.nn.Linear`, the layer `recipe` computes"
     convolutions = _convolutions(model)
     if convolutions:
         message += f" (its convolutions, {', '.join(convolutions)}, cannot take one)"
