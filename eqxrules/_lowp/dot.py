@@ -148,8 +148,8 @@ def length_error(
     `None`."""
     for part, size in block_lengths(product):
         if length % size:
-            operand = dict(zip(("lhs", "rhs"), layout.operands)).get(part)
-            what = "the Hadamard transform" if operand is None else operand
+            operands = {"lhs": layout.operands[0], "rhs": layout.operands[1]}
+            what = operands.get(part, "the Hadamard transform")
             dimension = dimension or _DIMENSIONS[layout.reduced]
             return (
                 f"the {layout.name} product reduces {dimension} (={length}), which "
