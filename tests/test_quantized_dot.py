@@ -60,6 +60,7 @@ def _failures(recipe, x, w, dy, *, jit: bool) -> dict[str, int]:
     return {n: mismatches(got[n], *ref[n]) for n in ref if mismatches(got[n], *ref[n])}
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", NEAREST)
 def test_products_equal_the_reference(name, jit):
@@ -90,6 +91,7 @@ def test_adversarial_data_is_adversarial():
     assert np.isnan(data("nan", (4, 4), 0)).sum() == 1
 
 
+@pytest.mark.slow
 def test_identity_recipe_is_jnp_dot_bit_for_bit():
     for dtype in (jnp.float32, jnp.bfloat16):
         x, w, dy = (jnp.asarray(a, dtype) for a in _data("random"))
@@ -126,6 +128,7 @@ def test_cotangents_have_their_primals_dtypes():
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
 def test_vmap_over_examples_is_one_call_on_the_batch(name):
     """Value and gradients, bit for bit: `vmap` over examples, nested `vmap` over
