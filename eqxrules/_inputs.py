@@ -111,7 +111,7 @@ def check_key(name: str, key: Any, argument: str = "key") -> None:
             return
         if dtype == jnp.uint32 and len(shape) >= 1:
             return
-        got = f"a {dtype} array of shape {tuple(shape)}"
+        got = f"an array of dtype {dtype} and shape {tuple(shape)}"
     else:
         shown = repr(key)
         got = f"{type(key).__name__} (={shown if len(shown) <= 60 else shown[:57] + '...'})"

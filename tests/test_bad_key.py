@@ -24,9 +24,9 @@ from eqxrules import recipes
 BAD_KEYS = {
     "int": (0, "int (=0)"),
     "float": (1.5, "float (=1.5)"),
-    "float array": (jnp.zeros(2), "a float32 array of shape (2,)"),
-    "int32 array": (np.zeros(2, np.int32), "a int32 array of shape (2,)"),
-    "uint32 scalar": (jnp.uint32(7), "a uint32 array of shape ()"),
+    "float array": (jnp.zeros(2), "an array of dtype float32 and shape (2,)"),
+    "int32 array": (np.zeros(2, np.int32), "an array of dtype int32 and shape (2,)"),
+    "uint32 scalar": (jnp.uint32(7), "an array of dtype uint32 and shape ()"),
     "string": ("seed", "str (='seed')"),
 }
 
