@@ -129,7 +129,8 @@ def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
         results = json.loads(json_path.read_text())
         if results.get("quick", False) != args.quick:
             raise SystemExit("`--merge`: the saved results are of the other size")
-    results.update(machine=report.machine(), quick=args.quick)
+    if not args.render:  # re-rendering measures nothing: the machine stays
+        results.update(machine=report.machine(), quick=args.quick)
     job = Job(
         sizes=QUICK if args.quick else FULL,
         quick=args.quick,

@@ -34,7 +34,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from . import _registry
 from ._hyper import Invalid, check_fields, invalid_constructions
-from ._inputs import check_float_array
+from ._inputs import check_float_array, check_key
 from ._registry import Domain, Entry, catalogue, functional
 from ._tangents import (
     _align_tangents,
@@ -205,6 +205,8 @@ class Rule(eqx.Module):
             raise TypeError(
                 f"`{self.rule_name()}` needs a PRNG key: call it as `m(x, key=key)`."
             )
+        if key is not None:
+            check_key(self.rule_name(), key)
         return {"key": key}
 
     def _prepare(

@@ -8,9 +8,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
+import jax
+
 from ._catalogue import Entry, catalogue
 from ._cli_check import (
     _check,
+    _import,
     _seed,
 )
 from ._cli_output import (
@@ -25,44 +29,48 @@ from ._cli_output import (
     _stream_widths,
     _table,
 )
+from ._cli_user import UserResult, verify_target, verify_user
 from ._verify import EntryResult, verify
 from .testing import CHECKS
 
 
 def _verify(args: argparse.Namespace) -> int:
-    entries = _select(args.names)
-    widths = _stream_widths([e.name for e in entries])
+    targets = _select(args.names, users=True)
+    widths = _stream_widths([name for name, _ in targets])
     if not args.json:
         _say(
             _device_line(),
-            f"Verifying {_count(len(entries), 'rule')} with "
+            f"Verifying {_count(len(targets), 'rule')} with "
             "eqxrules.testing.check_rule ...",
             _line(_header(), widths),
             "  ".join("-" * w for w in widths),
         )
-    results: list[EntryResult] = []
-    for entry in entries:
+    results: list[EntryResult | UserResult] = []
+    for name, target in targets:
         if args.verbose:
-            _say(f"verifying {entry.name} ...", err=True)
+            _say(f"verifying {name} ...", err=True)
         with _no_warnings(args.verbose):
-            r = verify(entry)
+            # A user's class gets `verify_rule`'s whole battery: its declaration
+            # and its invalid hyperparameters too, which the catalogue's tests
+            # check for the library's rules.
+            r = verify(target) if isinstance(target, Entry) else verify_user(*target)
         results.append(r)
         if args.verbose:
             done = f"{_count(len(r.reports), 'example')} checked in {r.seconds:.2f}s"
             _say(
-                f"  {entry.name}: {done}, {'passed' if r.passed else 'FAILED'}",
+                f"  {name}: {done}, {'passed' if r.passed else 'FAILED'}",
                 err=True,
             )
         if not args.json:
-            modes = "+".join(entry.modes)
-            _say(_line(_row(entry.name, modes, r.status, r.seconds), widths))
+            modes = "+".join(r.modes)
+            _say(_line(_row(name, modes, r.status, r.seconds), widths))
     failed = [r for r in results if not r.passed]
     if args.json:
         _say(json.dumps([_result_json(r) for r in results], indent=2))
         return 1 if failed else 0
     _say(_LEGEND)
     for r in failed:
-        _say("", f"{r.entry.name} FAILED:", *(f"  {line}" for line in r.failures()))
+        _say("", f"{r.name} FAILED:", *(f"  {line}" for line in r.failures()))
     total = sum(r.seconds for r in results)
     verdict = "FAILED" if failed else "passed"
     _say(
@@ -73,12 +81,12 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _result_json(r: EntryResult) -> dict[str, Any]:
+def _result_json(r: EntryResult | UserResult) -> dict[str, Any]:
     return {
-        "name": r.entry.name,
-        "module": r.entry.module.__name__,
+        "name": r.name,
+        "module": r.module.__name__,
         "passed": r.passed,
-        "modes": list(r.entry.modes),
+        "modes": list(r.modes),
         "checks": {c: r.status(c) for c in CHECKS},
         "examples": len(r.reports),
         "seconds": round(r.seconds, 3),
@@ -86,18 +94,29 @@ def _result_json(r: EntryResult) -> dict[str, Any]:
     }
 
 
-def _select(names: Sequence[str] | None) -> tuple[Entry, ...]:
+def _select(names: Sequence[str] | None, users: bool = False) -> list[tuple[str, Any]]:
+    """`(name, entry)` for each catalogue name (all, if none is given); with
+    `users`, a `PKG.MODULE:NAME` is imported: a library rule class gives its entry,
+    a user's rule class `(name, (name, class))`."""
     entries = catalogue()
     if not names:
-        return entries
+        return [(e.name, e) for e in entries]
     by_name = {e.name: e for e in entries} | {e.module.__name__: e for e in entries}
-    unknown = [n for n in names if n not in by_name]
+    unknown = [n for n in names if n not in by_name and not (users and ":" in n)]
     if unknown:
+        yours = " (a rule of your own: PKG.MODULE:NAME)" if users else ""
         raise SystemExit(
-            f"eqxrules: unknown rule(s) {unknown}; known: "
+            f"eqxrules: unknown rule(s) {unknown}{yours}; known: "
             f"{sorted(e.name for e in entries)}"
         )
-    return tuple(by_name[n] for n in names)
+    selected: list[tuple[str, Any]] = []
+    for n in names:
+        target = by_name.get(n) or verify_target(_import(n, "the rule", "verify"), n)
+        if isinstance(target, Entry):
+            selected.append((target.name, target))
+        else:
+            selected.append((n, (n, target)))
+    return selected
 
 
 def _escape(text: str) -> str:
@@ -158,7 +177,7 @@ def _plot(args: argparse.Namespace) -> int:
         return 2
     paths = []
     # One rule at a time, so that `--verbose` can say which is being drawn.
-    for entry in _select(args.names):
+    for _, entry in _select(args.names):
         if args.verbose:
             _say(f"plotting {entry.name} ...", err=True)
         start = time.perf_counter()
@@ -203,22 +222,49 @@ def _flags(default: Any) -> argparse.ArgumentParser:
     return flags
 
 
+def _version() -> str:
+    """`eqxrules 0.2.0 (jax 0.10.2, equinox 0.13.0)`: what a bug report needs."""
+    from . import __version__
+
+    return f"eqxrules {__version__} (jax {jax.__version__}, equinox {eqx.__version__})"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m eqxrules",
         description="Verify the eqxrules catalogue on this machine's JAX backend "
-        "(the default), list it, check your own rule, or plot rules. `--json` and "
-        "`--verbose` go before or after the command.",
+        "(the default) or a rule class of your own, list the catalogue, check your "
+        "own rule or function, or plot rules. `--json` and `--verbose` go before or "
+        "after the command.",
         parents=[_flags(False)],
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=_version(),
+        help="print the versions of eqxrules, JAX and Equinox, and exit",
     )
     flags = [_flags(argparse.SUPPRESS)]
     parser.set_defaults(func=_verify, names=None)
     sub = parser.add_subparsers(title="commands")
 
     v = sub.add_parser(
-        "verify", help="verify rules (the default: all of them)", parents=flags
+        "verify",
+        help="verify rules (the default: all of them), or your own rule class",
+        description="Verify catalogue rules against their own references (every "
+        "rule when no name is given). A rule class of your own (a subclass of "
+        "eqxrules.JVPRule or eqxrules.VJPRule), named as PKG.MODULE:NAME, gets "
+        "eqxrules.verify_rule's whole battery: its declaration, every example at "
+        "its kinks and by finite differences, forward mode as declared, its "
+        "invalid hyperparameters rejected, bfloat16 kept.",
+        parents=flags,
     )
-    v.add_argument("names", nargs="*", help="rules to verify (default: all)")
+    v.add_argument(
+        "names",
+        nargs="*",
+        help="catalogue names (ste_sign or SteSign), or your rule classes as "
+        "PKG.MODULE:NAME (default: the whole catalogue)",
+    )
     v.set_defaults(func=_verify)
 
     ls = sub.add_parser("list", help="print the catalogue", parents=flags)
@@ -226,9 +272,17 @@ def _parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=_list)
 
     c = sub.add_parser(
-        "check", help="check your own rule on random inputs", parents=flags
+        "check",
+        help="check your own rule or function on random inputs",
+        description="Check one callable with eqxrules.testing.check_rule on a "
+        "random input: a function, a rule instance, or a rule class (a JVPRule or "
+        "VJPRule subclass, yours or the catalogue's), which is built with its "
+        "defaults. A rule's modes are those it declares.",
+        parents=flags,
     )
-    c.add_argument("rule", help="the rule, as PKG.MODULE:NAME")
+    c.add_argument(
+        "rule", help="the function, rule instance or rule class, as PKG.MODULE:NAME"
+    )
     c.add_argument("--forward", help="reference value, as PKG.MODULE:NAME")
     c.add_argument(
         "--derivative",

@@ -8,7 +8,7 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -24,28 +24,31 @@ from ._cli_output import (
     _say,
     _table,
 )
+from ._cli_user import built_with_defaults, modes_of, rule_class, spec_of
 from .testing import RuleReport, check_rule
 
 
-def _import(spec: str, what: str) -> Callable[..., Any]:
+def _import(spec: str, what: str, command: str = "check") -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise SystemExit(
-            f"eqxrules check: {what} (={spec!r}) must look like PKG.MODULE:NAME"
+            f"eqxrules {command}: {what} (={spec!r}) must look like PKG.MODULE:NAME"
         )
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise SystemExit(f"eqxrules check: cannot import {module_name!r}: {e}") from e
+        raise SystemExit(
+            f"eqxrules {command}: cannot import {module_name!r}: {e}"
+        ) from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise SystemExit(
-                f"eqxrules check: {module_name!r} has no attribute {attr!r}"
+                f"eqxrules {command}: {module_name!r} has no attribute {attr!r}"
             ) from None
     if not callable(obj):
-        raise SystemExit(f"eqxrules check: {spec!r} is not callable")
+        raise SystemExit(f"eqxrules {command}: {spec!r} is not callable")
     return obj
 
 
@@ -67,22 +70,23 @@ def _seed(flag: str) -> Callable[[str], int]:
     return parse
 
 
-def _catalogued(obj: Any, spec: str) -> tuple[Entry, Rule | None] | None:
+def _catalogued(obj: Any, spec: str) -> tuple[Entry | None, Rule | None] | None:
     """The catalogue entry of a functional form, a Module class or an instance of
-    one (with the instance the check calls: a class is built with its defaults)."""
+    one (with the instance the check calls: a class is built with its defaults).
+    A user's rule class, or an instance of one, is taken the same way, with no
+    entry."""
     for e in catalogue():
         if obj is e.function:
             return e, None
         if type(obj) is e.module:
             return e, obj
         if obj is e.module:
-            try:
-                return e, e.module()
-            except (TypeError, ValueError) as err:
-                raise SystemExit(
-                    f"eqxrules check: {spec!r} is a Module class that cannot be built "
-                    f"with its defaults ({err}); point at an instance instead"
-                ) from None
+            return e, built_with_defaults(e.module, spec, "check")
+    cls = rule_class(obj)
+    if cls is not None:
+        return None, built_with_defaults(cls, spec, "check")
+    if isinstance(obj, Rule):
+        return None, obj
     return None
 
 
@@ -118,31 +122,62 @@ def _fd_hint(args: argparse.Namespace) -> str:
     )
 
 
-def _target(args: argparse.Namespace, derivative: Any) -> tuple[Any, str | None]:
-    """The callable `check` checks, and how it takes a key (see `_key_parameter`).
-    A catalogue rule that is not exact is refused without `--derivative`: finite
+class _Target(NamedTuple):
+    """What `check` checks: the callable, how it takes a key (see
+    `_key_parameter`), and, for a rule, whether it declares forward mode (`None`
+    for a plain function: the checker finds out)."""
+
+    fn: Any
+    needs: str | None
+    forward_mode: bool | None = None
+
+
+def _target(args: argparse.Namespace, derivative: Any) -> _Target:
+    """A rule that is not exact is refused without `--derivative`: finite
     differences, the only check left, would fail for a reason that is no bug."""
     fn = _import(args.rule, "the rule")
     found = _catalogued(fn, args.rule)
     if found is None:
-        return fn, _key_parameter(fn)
+        return _Target(fn, _key_parameter(fn))
     entry, instance = found
-    exact = entry.exact if instance is None else instance.is_exact()
+    exact = instance.is_exact() if instance is not None else entry and entry.exact
     if not exact and derivative is None:
+        name = entry.name if entry is not None else args.rule
+        verify = entry.name if entry is not None else spec_of(type(instance))
         raise SystemExit(
-            f"eqxrules check: `{entry.name}` is not exact: its derivative is a "
+            f"eqxrules check: `{name}` is not exact: its derivative is a "
             "straight-through surrogate's, not the derivative of its value, so "
             "finite differences cannot check it. Pass the surrogate with "
             "`--derivative PKG.MODULE:NAME`, or run `python -m eqxrules verify "
-            f"{entry.name}` to check it against its own references."
+            f"{verify}` to check it against its own references."
         )
     if instance is None:
-        return fn, _key_parameter(fn)
+        assert entry is not None
+        return _Target(fn, _key_parameter(fn), entry.forward_mode)
+    forward_mode = type(instance).forward_mode
     # Every Module accepts `key=`; whether it needs one is the instance's say (its
     # `primal`'s, or its hyperparameters': `rounding="stochastic"`).
     if instance.needs_key():
-        return instance, "required"
-    return instance, _key_parameter(type(instance).primal)
+        return _Target(instance, "required", forward_mode)
+    return _Target(instance, _key_parameter(type(instance).primal), forward_mode)
+
+
+def _modes_problem(declared: bool | None, report: RuleReport) -> list[str]:
+    """A rule's declared forward mode against the checker's finding, as
+    `verify` compares them."""
+    if declared is None:
+        return []
+    if declared and report["jvp"].status == "unsupported":
+        found = "does not support it"
+    elif not declared and report.forward_mode:
+        found = "supports it"
+    else:
+        return []
+    kind = "JVPRule" if declared else "VJPRule"
+    return [
+        f"forward mode: declared {declared} (as a {kind}), but the checker found "
+        f"that the rule {found}"
+    ]
 
 
 def _rule_key(args: argparse.Namespace, needs: str | None) -> tuple[Any, list[str]]:
@@ -169,7 +204,7 @@ def _rule_key(args: argparse.Namespace, needs: str | None) -> tuple[Any, list[st
 def _check(args: argparse.Namespace) -> int:
     forward = _import(args.forward, "`--forward`") if args.forward else None
     derivative = _import(args.derivative, "`--derivative`") if args.derivative else None
-    fn, needs = _target(args, derivative)
+    fn, needs, declared = _target(args, derivative)
     try:
         shape = tuple(int(s) for s in args.shape.split(",") if s.strip())
     except ValueError:
@@ -208,24 +243,38 @@ def _check(args: argparse.Namespace) -> int:
         if status.get("finite_differences") == "failed" and derivative is None
         else []
     )
+    # A rule's modes are those it declares (a JVPRule: both), checked against the
+    # checker's finding; a function's, what the checker found.
+    modes = modes_of(report.forward_mode if declared is None else declared)
+    problems = _modes_problem(declared, report)
+    passed = report.passed and not problems
     if args.json:
-        _say(json.dumps(_report_json(args.rule, report, notes + hints), indent=2))
-        return 0 if report.passed else 1
-    modes = "fwd+rev" if report.forward_mode else "rev"
-    row = _row(args.rule, modes, lambda c: status.get(c, "skipped"), report.seconds)
+        shown_json = _report_json(args.rule, report, notes + hints, modes, problems)
+        _say(json.dumps(shown_json, indent=2))
+        return 0 if passed else 1
+    row = _row(
+        args.rule, "+".join(modes), lambda c: status.get(c, "skipped"), report.seconds
+    )
     _say(_device_line(), *notes, _table([row], _header()), _LEGEND)
     shown = [r for r in report.results if r.status == "failed" or args.verbose]
-    _say(*(f"  {r.describe()}" for r in shown), *hints)
-    _say("passed" if report.passed else "FAILED")
-    return 0 if report.passed else 1
+    _say(*(f"  {r.describe()}" for r in shown), *(f"  {p}" for p in problems))
+    _say(*hints, "passed" if passed else "FAILED")
+    return 0 if passed else 1
 
 
-def _report_json(rule: str, report: RuleReport, notes: list[str]) -> dict[str, Any]:
+def _report_json(
+    rule: str,
+    report: RuleReport,
+    notes: list[str],
+    modes: tuple[str, ...],
+    problems: list[str],
+) -> dict[str, Any]:
     return {
         "rule": rule,
         "backend": jax.default_backend(),
-        "passed": report.passed,
-        "modes": ["fwd", "rev"] if report.forward_mode else ["rev"],
+        "passed": report.passed and not problems,
+        "modes": list(modes),
+        "problems": problems,
         "checks": {
             r.name: {"status": r.status, "message": r.describe()}
             for r in report.results

@@ -95,3 +95,28 @@ def check_broadcasts(rule: str, argument: str, value: Any, x_shape: Any) -> None
             f"`{rule}`: `{argument}` of shape {shape} must broadcast to `x` of shape "
             f"{tuple(x_shape)}."
         )
+
+
+def check_key(name: str, key: Any, argument: str = "key") -> None:
+    """Raise a `TypeError` naming `name` and `argument` unless `key` is a PRNG key:
+    a typed key (`jax.random.key(seed)`, dtype `key<...>`) or a legacy raw key (a
+    `uint32` array whose last axis holds the key data, `jax.random.PRNGKey(seed)`).
+    Deep inside `jax.random`, anything else is JAX's "invalid PRNG key data",
+    naming neither. (A legacy key's length is left to JAX: it depends on the PRNG
+    implementation.)"""
+    dtype = getattr(key, "dtype", None)
+    shape = getattr(key, "shape", None)
+    if dtype is not None and shape is not None:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return
+        if dtype == jnp.uint32 and len(shape) >= 1:
+            return
+        got = f"an array of dtype {dtype} and shape {tuple(shape)}"
+    else:
+        shown = repr(key)
+        got = f"{type(key).__name__} (={shown if len(shown) <= 60 else shown[:57] + '...'})"
+    raise TypeError(
+        f"`{name}`: `{argument}` must be a PRNG key, a typed key from "
+        "`jax.random.key(seed)` or a legacy uint32[2] key from "
+        f"`jax.random.PRNGKey(seed)`, not {got}."
+    )

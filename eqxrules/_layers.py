@@ -29,6 +29,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
+from ._inputs import check_key
 from ._lowp.layer import QuantizedLinear, check_layer
 from ._lowp.recipes import Recipe
 from ._sign_warning import warn_constant_sign
@@ -146,6 +147,7 @@ class Quantized(eqx.Module):
         if key is None:
             input_key = kernel_key = layer_key = None
         else:
+            check_key("Quantized", key)
             input_key, kernel_key, layer_key = jax.random.split(key, 3)
         if self.input_quantizer is not None:
             input_quantizer = self._along_reduction(self.input_quantizer, "input")

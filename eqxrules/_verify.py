@@ -35,6 +35,18 @@ class EntryResult:
     examples: list[Any] = dataclasses.field(default_factory=list)  # those checked
 
     @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def module(self) -> type:
+        return self.entry.module
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return self.entry.modes
+
+    @property
     def passed(self) -> bool:
         return all(r.passed for r in self.reports) and self.modes_match
 
@@ -44,11 +56,7 @@ class EntryResult:
         return all(r.forward_mode == self.entry.forward_mode for r in self.reports)
 
     def status(self, check: str) -> str:
-        statuses = {r[check].status for r in self.reports}
-        for s in ("failed", "passed", "unsupported", "skipped"):
-            if s in statuses:
-                return s
-        return "skipped"
+        return combined_status(self.reports, check)
 
     def failures(self) -> list[str]:
         lines = [
@@ -63,6 +71,16 @@ class EntryResult:
                 "found otherwise"
             )
         return lines
+
+
+def combined_status(reports: list[RuleReport], check: str) -> str:
+    """`check`'s status over several reports: `"failed"` if it failed in any,
+    else `"passed"` if it passed in any, else `"unsupported"` or `"skipped"`."""
+    statuses = {r[check].status for r in reports}
+    for s in ("failed", "passed", "unsupported", "skipped"):
+        if s in statuses:
+            return s
+    return "skipped"
 
 
 def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:

@@ -131,120 +131,24 @@ def load_example():
     return _load_example
 
 
-# The two tiers. `python -m pytest` (the README's command, and CI's) runs the quick
-# tier: `addopts` in pyproject.toml deselects `slow`. `python -m pytest -m slow`
-# runs the rest, `-m "slow or not slow"` everything. Besides the `slow` marks beside
-# the tests (the bfloat16 and float16 columns, say), this policy marks, in one place:
+# The two tiers. `python -m pytest` (the README's command) runs the quick tier:
+# `addopts` in pyproject.toml deselects `slow`. `python -m pytest -m slow` runs the
+# rest, `-m "slow or not slow"` everything; `.ci/run` runs both
+# (`test_package.py` checks that together they select every test).
 #
-# - every example of a catalogue entry after its first, in any test parametrised by
-#   `entry` and `index` (the first example of every entry stays quick);
-# - the modules below, whole: those in `CATALOGUE_WIDE` are also marked
-#   `catalogue_wide`, and CI runs them (`-m "not slow or catalogue_wide"`) in its
-#   second environment, pinned at the minimum versions; those in `SLOW_IN_CI` are
-#   also marked `ci_slow`, and CI runs them at the newest versions;
-# - the single heavy tests in `SLOW_TESTS`;
-# - the parametrised tests below, all but their first case (which stays quick, so
-#   that each check and its planted defect run in both tiers).
-CATALOGUE_WIDE = {
-    "test_matrix.py": "every entry through every transformation",
-    "test_sharding.py": "an 8-device subprocess",
-    "test_layer_sequential.py": "every rule as a layer of eqx.nn.Sequential",
-    "test_layer_dropout.py": "rules around dropout, inference mode",
-    "test_layer_quantizer.py": "every quantiser through `quantize`",
-}
-SLOW_MODULES = {
-    "test_guides.py": "every guide also runs in the strict docs build that CI does",
-    "test_examples_lowp.py": "trains a transformer in five recipes (about 25 s)",
-    "test_examples_straight_through.py": "trains three networks on digits",
-    "test_examples_stop_gradient.py": "trains DANN and an LSTM",
-    "test_xla_cost.py": "compiles networks for XLA's cost analysis",
-    "test_lowp_cost.py": "compiles the recipes' products for XLA's cost analysis",
-    **CATALOGUE_WIDE,
-}
-# The part of the slow tier that `.ci/run` runs too (`-m ci_slow`): the examples'
-# training runs, which nothing in the quick tier runs. All of the slow tier does
-# not fit in CI's 12 minutes on 2 cores beside the quick tier, the site build and
-# the minimum-version run (issue 18 §5: with all of it a fresh-clone `.ci/run` took
-# 921 s; with this part, about 10 minutes); the rest (every later example and
-# dtype of checks whose first example or float32 column the quick tier runs, the
-# exhaustive proofs' larger grids, XLA's cost analysis, the mutation script) is a
-# pre-release run.
-SLOW_IN_CI = {
-    "test_examples_lowp.py": "the low-precision example's --quick run, every row",
-    "test_examples_straight_through.py": "the straight-through examples train",
-    "test_examples_stop_gradient.py": "the stop-gradient examples train",
-}
-SLOW_TESTS = {  # heavy single tests; a lighter quick one checks the same part
-    "test_stochastic_rounding_use.py": (
-        "test_quantize_with_stochastic_quantisers_needs_a_key",
-    ),
-    "test_stochastic_rounding_grid.py": (
-        "test_each_grid_takes_the_path_and_tiers_stated",
-    ),
-    "test_stochastic_rounding_grid_use.py": (
-        "test_bfloat16_inputs_on_a_grid_finer_than_bfloat16_are_themselves",
-    ),
-    "test_float_formats.py": ("test_blocks_run_along_the_reduction_dimension",),
-    "test_unbiased.py": (
-        "test_detectable_bias_holds_over_keys",
-        "test_calibration",
-        "test_calibration_catches_an_overstated_rate",
-        "test_bounds_give_the_same_test_as_neighbours",
-    ),
-    "test_quantized_dot_sr.py": (
-        "test_nvfp4_gradient_products_are_unbiased",
-        "test_planted_rounding_to_nearest_fails_the_nvfp4_check",
-    ),
-    "test_quantized_dot.py": ("test_identity_recipe_is_jnp_dot_bit_for_bit",),
-    "test_learned.py": ("test_quantize_fits_each_layers_step_and_calibrate_its_input",),
-    "test_exact_grid.py": ("test_the_table_path_under_sharding_in_types",),
-}
-FIRST_CASE_ONLY = {
-    "test_layers.py": ("test_quantized_value_and_gradients",),
-    "test_cli.py": ("test_check_gives_a_stochastic_instance_a_key",),
-    "test_learned.py": ("test_bf16_input_with_f32_step",),
-    "test_float_formats.py": ("test_nvfp4_equals_the_numpy_rule",),
-    "test_stochastic_rounding_grid.py": (
-        "test_every_input_steps_for_the_exact_count_of_bit_patterns",
-        "test_planted_defects_fail_the_count",
-        "test_at_24_bits_the_decision_sits_at_the_count",
-    ),
-    "test_stochastic_rounding_grid_use.py": (
-        "test_same_key_same_draw_other_key_other_draw",
-        "test_the_reference_agrees_and_the_derivative_is_nearest_s",
-        "test_levels_stay_beyond_the_range_saturates_nan_stays",
-        "test_the_mean_over_keys_is_the_input",
-    ),
-    "test_stochastic_rounding_use.py": (
-        "test_same_key_same_draw_other_key_other_draw",
-        "test_nearest_accepts_and_ignores_a_key",
-        "test_beyond_max_saturates_nan_stays_and_values_of_the_format_stay",
-        "test_the_derivative_is_the_straight_through_one_of_nearest",
-    ),
-    "test_stochastic_rounding.py": (
-        "test_rules_draw_their_bits_from_the_key_as_documented",
-        "test_the_mean_over_keys_is_the_input",
-    ),
-    "test_unbiased.py": (
-        "test_correct_rounding_passes",
-        "test_planted_defects_are_caught",
-        "test_a_3pc_bias_is_detectable_and_caught",
-    ),
-    "test_unbiased_catalogue.py": (
-        "test_every_stochastic_rounding_in_the_catalogue_is_unbiased",
-        "test_planted_biased_variants_of_real_rules_fail",
-    ),
-    "test_quantized_dot.py": (
-        "test_products_equal_the_reference",
-        "test_vmap_over_examples_is_one_call_on_the_batch",
-    ),
-    "test_scaled.py": ("test_mode_matches_definition",),
-    "test_calibrate.py": ("test_calibrate_is_0_2_0_bit_for_bit",),
-    "test_exact_grid.py": (
-        "test_ste_quantize_is_exact",
-        "test_float32_at_every_threshold_and_level_jitted_and_eager",
-    ),
-}
+# A test's tier is marked beside it: `pytestmark = pytest.mark.slow` in a slow
+# module (with `pytest.mark.catalogue_wide` where CI also runs it at the minimum
+# versions), `@pytest.mark.slow` on a slow test, a slow parameter's
+# `pytest.param(..., marks=pytest.mark.slow)`, and `@pytest.mark.first_case_quick`
+# on a parametrised test whose first case alone stays quick (so that each check
+# and its planted defect run in both tiers). One policy needs no mark: every
+# example of a catalogue entry after its first, in a test parametrised by `entry`
+# and `index`, is slow (the first example of every entry stays quick).
+#
+# The hook below applies the two policies, and marks `later` every case beyond a
+# test's first example or dtype (a later example, a case marked slow on its own in
+# a slow module, a later case of a `first_case_quick` test): CI's minimum-version
+# run takes `catalogue_wide and not later`, each entry's first example.
 
 
 def _is_later_example(item: pytest.Item) -> bool:
@@ -256,19 +160,14 @@ def _is_later_example(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
     seen: set[tuple[str, str]] = set()
     for item in items:
-        module = item.path.name
-        function = getattr(item, "originalname", item.name)
-        first = (module, function) not in seen
-        seen.add((module, function))
-        later = _is_later_example(item) or item.get_closest_marker("slow") is not None
-        if module in CATALOGUE_WIDE and not later:
-            item.add_marker(pytest.mark.catalogue_wide)
-        if (
-            later
-            or module in SLOW_MODULES
-            or function in SLOW_TESTS.get(module, ())
-            or (function in FIRST_CASE_ONLY.get(module, ()) and not first)
-        ):
+        test = (item.path.name, getattr(item, "originalname", item.name))
+        later_case = item.get_closest_marker("first_case_quick") is not None and (
+            test in seen
+        )
+        seen.add(test)
+        own_slow = any(m.name == "slow" for m in item.own_markers)
+        if _is_later_example(item) or later_case:
             item.add_marker(pytest.mark.slow)
-            if module in SLOW_IN_CI:
-                item.add_marker(pytest.mark.ci_slow)
+            item.add_marker(pytest.mark.later)
+        elif own_slow:
+            item.add_marker(pytest.mark.later)

@@ -126,6 +126,7 @@ def _bits(model):
     ]
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("case", list(_cases()))
 def test_calibrate_is_0_2_0_bit_for_bit(case):
     """Every array of the calibrated model (each fitted step, each alpha, the

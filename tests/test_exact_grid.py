@@ -184,6 +184,7 @@ INPUTS = {
 }
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("inputs", list(INPUTS))
 @pytest.mark.parametrize("bits,lo,hi", GRIDS, ids=IDS)
 def test_ste_quantize_is_exact(inputs, bits, lo, hi):
@@ -288,6 +289,7 @@ F32_CASES = [("dorefa_quantize", b, 0.0, 1.0) for b in (2, 4, 8)] + [
 ]
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("mode", ["jit", "eager"])
 @pytest.mark.parametrize("name,bits,lo,hi", F32_CASES, ids=str)
 def test_float32_at_every_threshold_and_level_jitted_and_eager(
@@ -440,6 +442,7 @@ for a, b in zip(step(x), got):
 """
 
 
+@pytest.mark.slow
 def test_the_table_path_under_sharding_in_types():
     """No catalogue example takes the table path any more, so `test_sharding.py`
     does not meet its gather: a 13-bit grid on 2 simulated devices, the batch

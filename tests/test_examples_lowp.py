@@ -27,6 +27,9 @@ from conftest import _load_example
 import eqxrules
 from eqxrules import recipes
 
+# The slow tier: trains a transformer in every recipe.
+pytestmark = pytest.mark.slow
+
 # A model that has learnt nothing predicts each of the 256 bytes alike.
 UNIFORM = math.log(256)
 # Between the two causes of a gradient differing from float32's: summing a float32

@@ -7,6 +7,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
+
+# The slow tier: trains DANN and an LSTM.
+pytestmark = pytest.mark.slow
 
 
 def test_lstm_truncated_bptt(load_example, capsys):

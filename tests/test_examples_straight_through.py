@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+# The slow tier: trains three networks on digits.
+pytestmark = pytest.mark.slow
+
 
 def test_binary_mlp_digits_learns_and_reports_the_trick(load_example, capsys):
     figures = load_example("binary_mlp_digits").main(quick=True)

@@ -240,6 +240,7 @@ def test_planted_ceil_scale_is_caught(monkeypatch):
     assert _mx_mismatches("e4m3", 4, 0) > 0
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("scale", [1.0, 2.0**-60, 1e10])
 def test_nvfp4_equals_the_numpy_rule(scale, axis):
@@ -337,6 +338,7 @@ def test_nvfp4_block_size_is_fixed_at_16(make):
 # -- in layers -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_blocks_run_along_the_reduction_dimension():
     """Whatever the quantiser's own `axis`: a Linear's weight along its input
     axis and the input along its features; a Conv's weight along its input

@@ -9,6 +9,9 @@ import pathlib
 
 import pytest
 
+# The slow tier: every guide also runs in the strict docs build that CI does.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

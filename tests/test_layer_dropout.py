@@ -37,6 +37,10 @@ from layer_helpers import (
 
 import eqxrules
 
+# The slow tier: rules around dropout, inference mode. Each entry's first example also
+# runs at the minimum versions in CI (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.catalogue_wide]
+
 # -- 3. a key reaches dropout inside a wrapper rule; inference_mode switches it off --
 
 

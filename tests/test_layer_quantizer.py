@@ -35,6 +35,10 @@ from layer_helpers import (
 
 import eqxrules
 
+# The slow tier: every quantiser through `quantize`. Each entry's first example also
+# runs at the minimum versions in CI (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.catalogue_wide]
+
 # -- 4. every rule that keeps an array's shape, as a quantiser ---------------------
 
 SHAPES = ((4, 3), (3, 4), (3,), (4,))  # weights and inputs of the model 3 → 4 → 3

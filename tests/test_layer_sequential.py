@@ -40,6 +40,10 @@ from layer_helpers import (
     _value_and_grad,
 )
 
+# The slow tier: every rule as a layer of eqx.nn.Sequential. Each entry's first example
+# also runs at the minimum versions in CI (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.catalogue_wide]
+
 # -- 1. every Module takes `key=`, and ignores it unless it draws random numbers --
 
 

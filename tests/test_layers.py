@@ -61,6 +61,7 @@ LAYERS = {
 }
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_quantized_value_and_gradients(name):
     make, shape = LAYERS[name]

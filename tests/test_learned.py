@@ -78,6 +78,7 @@ def test_pact_value_and_derivatives_by_hand():
     )
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "rule",
     [
@@ -233,6 +234,7 @@ def _model():
     )
 
 
+@pytest.mark.slow
 def test_quantize_fits_each_layers_step_and_calibrate_its_input():
     """Per output channel (axis 0 of Conv2d's and Linear's weight), each layer's
     step from its own weights; `calibrate` sets each input step from what that

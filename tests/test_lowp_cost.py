@@ -20,6 +20,9 @@ import pytest
 from benchmarks.sections import quantized_dot as section
 from eqxrules._lowp import dot
 
+# The slow tier: compiles the recipes' products for XLA's cost analysis.
+pytestmark = pytest.mark.slow
+
 SHAPE = (64, 64, 32)  # M, K, N: every block (16, 32, 16x16) divides each
 
 

@@ -45,6 +45,10 @@ from matrix.harness import (
     _first,
 )
 
+# The slow tier: every entry through every transformation. Each entry's first example
+# also runs at the minimum versions in CI (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.catalogue_wide]
+
 # The low-precision columns compile one more program per entry each, and
 # `test_catalogue.py` already checks their dtypes: they run with the slow tests.
 SLOW_DTYPES = (BF16, F16)

@@ -1,12 +1,14 @@
 """Packaging: the runtime needs only jax, jaxlib, equinox and jaxtyping."""
 
-import ast
+import collections
+import itertools
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
-import conftest
+import tomllib
 from conftest import once_per_session
 
 import eqxrules
@@ -101,31 +103,86 @@ def test_once_per_session_computes_once_and_shares_it():
     assert len(calls) == 2
 
 
-def tier_problems(modules, tests) -> list[str]:
-    """What the tier policy (tests/conftest.py) names that does not exist: a module
-    in `modules`, or a test function in `tests` (module -> names). A renamed test
-    or module would otherwise change tiers silently."""
-    here = pathlib.Path(__file__).parent
-    problems = [f"no module {m}" for m in modules if not (here / m).is_file()]
-    for module, names in tests.items():
-        path = here / module
-        defined = set()
-        if path.is_file():
-            tree = ast.parse(path.read_text())
-            defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-        problems += [f"no test {module}::{n}" for n in names if n not in defined]
-    return problems
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_the_tier_policy_names_what_exists():
-    """Every module and test the tiers name exists, and `.ci/run` runs the
-    `ci_slow` part; a misspelt name (the planted defect) is found."""
-    modules = [*conftest.SLOW_MODULES, *conftest.CATALOGUE_WIDE, *conftest.SLOW_IN_CI]
-    tests = {**conftest.FIRST_CASE_ONLY}
-    for module, names in conftest.SLOW_TESTS.items():
-        tests[module] = (*tests.get(module, ()), *names)
-    assert tier_problems(modules, tests) == []
-    run = (pathlib.Path(__file__).parent.parent / ".ci" / "run").read_text()
-    assert "python -m pytest -m ci_slow" in run
-    planted = tier_problems(["test_matrixx.py"], {"test_cli.py": ("test_nope",)})
-    assert planted == ["no module test_matrixx.py", "no test test_cli.py::test_nope"]
+_VALUED = {"-p", "-n", "-c", "-o", "-W", "--dist", "--rootdir"}  # take a value
+
+
+def _marker_expression(args: list[str], default: str) -> str | None:
+    """The `-m` expression of a pytest command's arguments (the last one given;
+    `default`, from `addopts`, where none is), or `None` if the command selects
+    by path or `-k` too (then it runs only part of the suite, whatever its `-m`)."""
+    expression = default
+    rest = iter(args)
+    for arg in rest:
+        if arg == "-m":
+            expression = next(rest)
+        elif arg in _VALUED:
+            next(rest)
+        elif arg == "-k" or not arg.startswith("-"):
+            return None
+    return expression
+
+
+def unselected(run: str, readme_command: str, addopts: str) -> list[dict]:
+    """The combinations of the suite's markers (pyproject.toml's) that no pytest run
+    of `.ci/run` at the newest versions selects: the README's command (which
+    `.ci/run` runs through `tests eval "$cmd"`) and each `tests python -m pytest`
+    line. A test is selected by a run whose `-m` expression its markers satisfy."""
+    default = _marker_expression(shlex.split(addopts), "")
+    assert default is not None, addopts
+    commands = []
+    if 'tests eval "$cmd"' in run:
+        commands.append(readme_command.split("&&")[-1])
+    commands += [
+        line.strip().removesuffix("\\")[len("tests ") :]
+        for line in run.splitlines()
+        if line.strip().startswith("tests python -m pytest")
+    ]
+    expressions = []
+    for command in commands:
+        args = shlex.split(command)
+        assert args[:3] == ["python", "-m", "pytest"], command
+        expression = _marker_expression(args[3:], default)
+        if expression is not None:
+            expressions.append(expression or "True")
+    markers = sorted(
+        m.split(":")[0]
+        for m in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+            "ini_options"
+        ]["markers"]
+    )
+    missed = []
+    for values in itertools.product([False, True], repeat=len(markers)):
+        names = dict(zip(markers, values))
+        # A marker no test carries is false, as in pytest's own `-m`.
+        scope = collections.defaultdict(bool, names)
+        if not any(eval(e, {"__builtins__": {}}, scope) for e in expressions):
+            missed.append(names)
+    return missed
+
+
+def test_ci_runs_every_test():
+    """`.ci/run` runs every test: the README's command (the quick tier) and its
+    other pytest runs at the newest versions together select a test whatever its
+    markers. Planted defects: the slow tier narrowed to one marker, or to one file,
+    leaves tests out."""
+    run = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start") :]
+    block = quick_start[quick_start.index("```bash") + 7 :]
+    readme_command = block.strip().splitlines()[1]
+    assert readme_command.endswith("python -m pytest")
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"
+    ]["addopts"]
+    assert unselected(run, readme_command, addopts) == []
+    slow_step = "tests python -m pytest -m slow\n"
+    assert slow_step in run
+    for planted in (
+        "tests python -m pytest -m ci_slow\n",
+        "tests python -m pytest -m slow tests/test_matrix.py\n",
+    ):
+        missed = unselected(run.replace(slow_step, planted), readme_command, addopts)
+        assert {"slow": True} in [{k: v for k, v in m.items() if v} for m in missed]

@@ -189,11 +189,13 @@ def test_the_crafted_gradients_scales_are_exact():
         assert np.all((q == lo) | (q == hi))
 
 
+@pytest.mark.slow
 def test_nvfp4_gradient_products_are_unbiased():
     for report in _nvfp4_reports(NV_RECIPE):
         assert report.passed and report.detectable < 0.05, report.detail
 
 
+@pytest.mark.slow
 def test_planted_rounding_to_nearest_fails_the_nvfp4_check():
     # The gradient rounded to nearest where the recipe says stochastically: each
     # product is biased, by far more than the check's detectable bias.

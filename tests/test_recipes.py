@@ -69,17 +69,68 @@ def test_fp8_is_current_scaling_per_tensor():
     )
 
 
+def assert_immutable_static_data(r) -> None:
+    """Every field of `r` (it has some) refuses to be set and keeps its value; `r`
+    has no array leaves and is equal to, and hashes as, a copy of itself."""
+    fields = dataclasses.fields(r)
+    assert fields, f"{type(r).__name__} has no fields"
+    for f in fields:
+        before = getattr(r, f.name)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(r, f.name, None)
+        assert getattr(r, f.name) is before, f.name
+    assert jtu.tree_leaves(r) == []  # nothing for an optimiser or a tracer
+    copy = dataclasses.replace(r)
+    assert r == copy and hash(r) == hash(copy)
+
+
 def test_recipes_are_immutable_static_data():
     for r in (recipes.mxfp8(), recipes.fp8(), KEYED, recipes.identity()):
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            r.hadamard = None  # type: ignore[misc]
-        assert jtu.tree_leaves(r) == []  # nothing for an optimiser or a tracer
-        assert r == dataclasses.replace(r) and hash(r) == hash(dataclasses.replace(r))
+        assert_immutable_static_data(r)
     # As a static argument of `jit`: one compiled program per recipe.
     f = jax.jit(
         lambda x, recipe: eqxrules.quantized_dot(x, x, recipe=recipe), static_argnums=1
     )
     assert f(jnp.eye(32), recipes.mxfp8()).shape == (32, 32)
+
+
+@dataclasses.dataclass(eq=True, unsafe_hash=True)
+class _OwnFieldsSettable:
+    """Planted: a recipe-like dataclass whose own fields can be set; only a name
+    it lacks is refused, with the error 0.2.0's test looked for (setting
+    `hadamard`, a field only `NVFP4` has), which it passed."""
+
+    block_size: int = 32
+
+    def __setattr__(self, name, value):
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+        object.__setattr__(self, name, value)
+
+
+class _HoldsAnArray(eqx.Module):
+    """Planted: frozen, but an array leaf (an optimiser would train it)."""
+
+    scale: jax.Array = eqx.field(default_factory=lambda: jnp.ones(()))
+
+
+def test_planted_mutable_or_array_recipes_are_caught():
+    r = _OwnFieldsSettable()
+    with pytest.raises(dataclasses.FrozenInstanceError):  # what 0.2.0 asserted
+        r.hadamard = None  # type: ignore[attr-defined]
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        assert_immutable_static_data(r)
+    with pytest.raises(AssertionError):
+        assert_immutable_static_data(_HoldsAnArray())
+    # And a frozen Module with no field at all: every attribute set raises, so 0.2.0's
+    # check held for it whatever it was.
+    with pytest.raises(AssertionError, match="has no fields"):
+        assert_immutable_static_data(_NoFields())
+
+
+class _NoFields(recipes.Recipe):
+    def products(self):
+        return recipes.identity()
 
 
 @pytest.mark.parametrize(

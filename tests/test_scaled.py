@@ -40,6 +40,7 @@ def _scales(draw, size):
     return jnp.asarray(values, jnp.float32)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("mode", list(DEFINITIONS))
 @settings(max_examples=3)
 @given(data=st.data())

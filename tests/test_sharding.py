@@ -22,6 +22,10 @@ from conftest import once_per_session
 
 import eqxrules
 
+# The slow tier: an 8-device subprocess. Each entry's first example also runs at the
+# minimum versions in CI (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.catalogue_wide]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "sharding_worker.py"
 # Run by the worker with `main(quick=True)`, and as a script by the slow test.

@@ -395,6 +395,7 @@ def test_rules_round_with_the_core_and_the_nearest_scales(make, args):
     check_rule_threshold(*make(*args))
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("make,args", _rule_cases())
 def test_rules_draw_their_bits_from_the_key_as_documented(make, args):
     rule, x, _, _ = make(*args)
@@ -466,6 +467,7 @@ def _float_mean_case(rule=None):
     return rule, x, (x / F32(3)).astype(F32), np.full_like(u, F32(3))
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "make,args",
     [

@@ -73,6 +73,7 @@ def _path(bits, lo, hi):
     return "dyadic" if isinstance(p, Dyadic) else "formula" if p else "table"
 
 
+@pytest.mark.slow
 def test_each_grid_takes_the_path_and_tiers_stated():
     for g, (path, count) in GRIDS.items():
         t = tiers(*g, jnp.float32)
@@ -248,6 +249,7 @@ def _inputs(dtype_name, bits, lo, hi):
     return x[~_flushable(x)]
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("bits,lo,hi", list(GRIDS), ids=IDS)
 def test_every_input_steps_for_the_exact_count_of_bit_patterns(dtype, bits, lo, hi):
@@ -269,6 +271,7 @@ def _at(x, bits, lo, hi, random):
     return shipped(x, bits, lo, hi, random, RESOLUTION)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("bits,lo,hi", list(GRIDS), ids=IDS)
 def test_at_24_bits_the_decision_sits_at_the_count(bits, lo, hi):
     """The `j` just inside and just outside the count that gives `up` (where the
@@ -413,6 +416,7 @@ DEFECTS = {
 }
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", list(DEFECTS))
 def test_planted_defects_fail_the_count(name, monkeypatch):
     core, dtype, grid = DEFECTS[name]

@@ -44,6 +44,7 @@ def _across(rule, t):
     return (lo + (hi - lo) * t).astype(F32)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", RULES, ids=IDS)
 def test_same_key_same_draw_other_key_other_draw(rule):
     check_draws(rule, _across(rule, X))
@@ -61,6 +62,7 @@ def test_without_a_key_a_clear_error_and_nearest_ignores_one(rule):
     np.testing.assert_array_equal(nearest(X, key=jax.random.key(1)), nearest(X))
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rule", RULES, ids=IDS)
 def test_levels_stay_beyond_the_range_saturates_nan_stays(rule, dtype):
@@ -82,6 +84,7 @@ def test_levels_stay_beyond_the_range_saturates_nan_stays(rule, dtype):
         assert np.isnan(q[-1])
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", RULES, ids=IDS)
 def test_the_reference_agrees_and_the_derivative_is_nearest_s(rule):
     x = _across(rule, jnp.concatenate([X.ravel(), jnp.linspace(-0.05, 1.05, 4001)]))
@@ -136,6 +139,7 @@ def _mean_input(rule):
     return jnp.asarray(x)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", RULES[:4:3] + RULES[4:5], ids=lambda r: repr(r))
 def test_the_mean_over_keys_is_the_input(rule):
     check_mean(rule, _mean_input(rule))
@@ -166,6 +170,7 @@ def test_planted_defects_fail_the_mean(defect):
         check_mean(rule, _mean_input(rule))
 
 
+@pytest.mark.slow
 def test_bfloat16_inputs_on_a_grid_finer_than_bfloat16_are_themselves():
     """On 16 bits every bfloat16 input of magnitude 2^-7 to 1 is a level in its own
     dtype (the levels are 2/65535 apart, less than 3/4 of its ulp, 2^-14 or more),

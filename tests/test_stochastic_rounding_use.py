@@ -30,6 +30,7 @@ F32 = np.float32
 # -- saturation, NaN, exact values -------------------------------------------------
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("fmt_name", list(FORMATS))
 def test_beyond_max_saturates_nan_stays_and_values_of_the_format_stay(fmt_name):
     fmt = FORMATS[fmt_name]
@@ -84,6 +85,7 @@ def test_a_stochastic_rule_without_a_key_is_a_clear_error(rule):
     assert rule.needs_key() and "key" in rule.call_kwargs(jax.random.key(0))
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", SR_RULES, ids=lambda r: r.rule_name())
 def test_nearest_accepts_and_ignores_a_key(rule):
     nearest = dataclasses.replace(rule, rounding="nearest")
@@ -108,6 +110,7 @@ def check_draws(rule, x):
     assert not np.array_equal(mapped[0], mapped[1]), "split keys, same draw"
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", SR_RULES, ids=lambda r: r.rule_name())
 def test_same_key_same_draw_other_key_other_draw(rule):
     check_draws(rule, X)
@@ -118,6 +121,7 @@ def test_planted_fixed_key_fails_the_draw_check():
         check_draws(_FixedKey(format="e2m1", rounding="stochastic"), X)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", SR_RULES, ids=lambda r: r.rule_name())
 def test_the_derivative_is_the_straight_through_one_of_nearest(rule):
     nearest = dataclasses.replace(rule, rounding="nearest")
@@ -156,6 +160,7 @@ def test_quantized_splits_the_key_between_its_stochastic_quantisers():
         layer(x)
 
 
+@pytest.mark.slow
 def test_quantize_with_stochastic_quantisers_needs_a_key():
     k1, k2 = jax.random.split(jax.random.key(0))
     model = eqx.nn.Sequential(

@@ -149,6 +149,7 @@ DEFECTS = {
 # Correct roundings pass; the defects are caught
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", FORMATS)
 def test_correct_rounding_passes(name):
     # False-fail rate at most RATE (the check's own bound).
@@ -162,6 +163,7 @@ def test_correct_rounding_passes(name):
     assert "passed" in str(report)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("defect", DEFECTS)
 @pytest.mark.parametrize("name", FORMATS)
 def test_planted_defects_are_caught(name, defect):
@@ -187,6 +189,7 @@ def test_planted_defects_are_caught(name, defect):
         assert f"{report.mean:.9g}" in message and f"[{low:.9g}, {high:.9g}]" in message
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", FORMATS)
 def test_a_3pc_bias_is_detectable_and_caught(name):
     # Where P(up) lies in [0.5, 0.95], the report says a 3% relative bias (a shift
@@ -208,6 +211,7 @@ def test_a_3pc_bias_is_detectable_and_caught(name):
 # Without neighbours: a range
 
 
+@pytest.mark.slow
 def test_bounds_give_the_same_test_as_neighbours():
     # Same key, same draws: with bounds = (L, U) the mean of the draws carries the
     # count, so the statistic is the same (up to float32 summation). False-fail
@@ -265,6 +269,7 @@ def test_detectable_bias_is_detected_exactly(draws, elements, beta):
     assert exact_rate(0.5, draws, threshold, 0.5 + shift[3] / 4) < 0.05
 
 
+@pytest.mark.slow
 def test_detectable_bias_holds_over_keys():
     # One element at p = 0.3, 2000 draws, false-fail rate 1e-3. Shifted by 1.05x
     # the reported detectable bias, each run fails with probability at least 1/2,
@@ -319,6 +324,7 @@ def _calibration(rate: float, elements: int, runs: int = 200) -> tuple[int, floa
     return row["failures"], row["exact"]
 
 
+@pytest.mark.slow
 def test_calibration():
     # Each run fails with probability at most the stated rate, so more than
     # `_most(runs, rate)` failures in 200 independent runs has probability at most
@@ -333,6 +339,7 @@ def test_calibration():
             assert low <= failures <= _most(200, exact), (failures, exact)
 
 
+@pytest.mark.slow
 def test_calibration_catches_an_overstated_rate(monkeypatch):
     # Planted: a checker whose statistic is 3x too large (as a test that trusted a
     # normal approximation far into the tail might be): it fails a correct

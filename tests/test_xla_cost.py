@@ -17,6 +17,9 @@ import eqxrules
 from benchmarks import baselines, cases, learned, networks, xla
 from benchmarks.config import QUICK
 
+# The slow tier: compiles networks for XLA's cost analysis.
+pytestmark = pytest.mark.slow
+
 SIZES = dataclasses.replace(QUICK, width=16, depth=2, batch=8, cnn_batch=4)
 ENTRIES = {e.name: e for e in eqxrules.catalogue()}
 

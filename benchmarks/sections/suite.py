@@ -1,6 +1,5 @@
 """Wall time of the suite's two tiers (`python -m pytest`, the README's command, and
-`python -m pytest -m slow`), of the slow tier's part CI runs too (`-m ci_slow`),
-and of `python -m eqxrules` (only with `--suite`)."""
+`python -m pytest -m slow`; `.ci/run` runs both), and of `python -m eqxrules` (only with `--suite`)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ NAME = "suite"
 DEFAULT = False  # minutes: only with `--suite` or `--only suite`
 COMMANDS = {
     "pytest": [sys.executable, "-m", "pytest"],
-    "ci_slow": [sys.executable, "-m", "pytest", "-m", "ci_slow"],
     "slow": [sys.executable, "-m", "pytest", "-m", "slow"],
     "cli": [sys.executable, "-m", "eqxrules"],
 }

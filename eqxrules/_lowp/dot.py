@@ -39,7 +39,7 @@ from jax.interpreters import mlir
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._catalogue import VJPRule
-from .._inputs import check_float_array
+from .._inputs import check_float_array, check_key
 from .hadamard import random_signs, rotate
 from .recipes import Custom, Product, Recipe, block_lengths, reads_key
 
@@ -442,6 +442,8 @@ def layer_dot(
         message = length_error(spec, layout, length)
         if message is not None:
             raise ValueError(f"`{_NAME}`: {message}.")
+    if key is not None:  # even where the recipe reads none: a bad key is a bug
+        check_key(_NAME, key)
     random = reads_key(products)
     if random and key is None:
         raise TypeError(

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
+from .._inputs import check_key
 from .._tangents import takes_key
 from .dot import FORWARD, INPUT_GRADIENT, layer_dot, length_error
 from .recipes import Recipe, reads_key
@@ -80,6 +81,8 @@ class QuantizedLinear(eqx.Module):
         The layer's output, `[out_features]` (`()` for `out_features="scalar"`).
         """
         key = self.key if key is None else key
+        if key is not None:
+            check_key("QuantizedLinear", key)
         random = reads_key(self.recipe.products())
         if random and key is None:
             raise TypeError(
@@ -180,6 +183,7 @@ class Keyed(eqx.Module):
         model = self.model
         if key is None:
             return model(*args, **kwargs)
+        check_key("Keyed", key)
         layers = _layers(model)
         keys = jax.random.split(key, len(layers) + 1)
         model = eqx.tree_at(
