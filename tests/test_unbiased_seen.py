@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,9 @@ def _shifted_e2m1(shift: float):
 # A correct rounding passes without neighbours; the statistic is theirs
 
 
-@pytest.mark.parametrize("name", _formats())
+@pytest.mark.slow  # 100,000 draws; the quick tier's check of a correct
+# rounding without neighbours is `test_without_neighbours_the_statistic_is_...`
+@pytest.mark.parametrize("name", FORMATS)
 def test_correct_rounding_passes_without_neighbours(name):
     # P(up) in [0.001, 0.999]: every x lies farther than delta (2.1e-4 of its gap
     # here) from both neighbours, the assumption without `bounds`.
@@ -252,3 +255,14 @@ def test_the_catalogue_rounding_passes_without_neighbours():
 
     report = check_unbiased(fn, x, key=KEY, draws=20_000)
     assert report.passed and report.elements == 256
+
+
+def test_the_docstring_example_runs():
+    # Without `neighbours`, x exactly on integers (not linspace's near-integers,
+    # which would need `bounds`); false-fail rate 1e-6.
+    doc = check_unbiased.__doc__ or ""
+    code = textwrap.dedent(doc.split("```python", 1)[1].split("```", 1)[0])
+    namespace: dict = dict(jax=jax, jnp=jnp, check_unbiased=check_unbiased)
+    exec(code, namespace)
+    report = namespace["report"]
+    assert report.passed and round(report.detectable, 3) == 0.012
