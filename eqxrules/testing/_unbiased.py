@@ -24,7 +24,7 @@ _NAME = "`check_unbiased`: "
 Pair = tuple[ArrayLike, ArrayLike] | Callable[[np.ndarray], Any]
 
 
-def _pair(name: str, value: Pair, x: Array, wide: Any) -> tuple[np.ndarray, ...]:
+def _pair(name: str, value: Pair, x: Array, wide: Any) -> tuple[np.ndarray, np.ndarray]:
     """`neighbours`, `bounds` or `within`, called on `x` if a function, as float64 arrays of
     `x`'s shape, checked: finite, representable in the draws' dtype, around `x`."""
     where = "`check_unbiased`: "
@@ -403,7 +403,8 @@ def check_unbiased(
     chunk = min(draws, _MAX_CHUNK, chunk or max(1, _CHUNK_ELEMENTS // x.size))
     if mode in ("neighbours", "within"):
         assert pair is not None
-        d = _given(mode, fn, x, host, *pair, key, draws, chunk, wide)
+        lo, hi = pair
+        d = _given(mode, fn, x, host, lo, hi, key, draws, chunk, wide)
     else:
         d = _seen(fn, x, host, pair, key, draws, chunk, wide)
         mode = "seen"
