@@ -59,7 +59,7 @@ def _check(which: int, expected, bounds):
         lambda target, key: _gradients(key)[which],
         expected,
         key=jax.random.key(11),
-        bounds=bounds,
+        within=bounds,
         draws=DRAWS,
         false_fail_rate=1e-6,
     )
@@ -169,7 +169,7 @@ def _nvfp4_reports(recipe) -> list:
             lambda target, key: gradients(key)[which],
             expected,
             key=jax.random.key(12),
-            bounds=bounds,
+            within=bounds,
             draws=DRAWS,
             false_fail_rate=1e-6,
             raise_on_failure=False,

@@ -10,6 +10,9 @@ import math
 import pathlib
 import re
 
+import jax
+import jax.numpy as jnp
+
 import eqxrules
 from eqxrules import _cli
 from eqxrules.testing import check_rule
@@ -253,3 +256,17 @@ def test_catalogue_check_catches_a_report_of_another_catalogue():
     problems = catalogue_disagreements(results)
     assert any(p.startswith("overhead:") and "ste_sign" in p for p in problems)
     assert any(p.startswith("suite:") and "'23/23 rules passed" in p for p in problems)
+
+
+def test_check_unbiased_example_runs_and_catches_a_10pc_bias():
+    """The "Stochastic rounding" example: a correct E2M1 rounding passes (false-fail
+    rate 1e-6) and one rounding up 10% of the gap too often fails (it is more than
+    8 times the detectable bias at each of 62 elements, each catching it with
+    probability at least 1/2)."""
+    block = README.split("eqxrules.testing.check_unbiased` tests it", 1)[1]
+    code = block.split("```python", 1)[1].split("```", 1)[0]
+    namespace: dict = dict(eqxrules=eqxrules, jax=jax, jnp=jnp)
+    exec(code, namespace)
+    report, caught = namespace["report"], namespace["caught"]
+    assert report.passed and report.detectable < 0.1 / 8
+    assert not caught.passed and "an unbiased rounding keeps" in caught.detail

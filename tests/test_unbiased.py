@@ -3,31 +3,36 @@ rounding onto the integers, float8_e4m3fn and float4_e2m1fn, and catches planted
 defects modelled on real bugs; its detectable bias and its stated false-fail rate
 hold, checked exactly and over repeated keys.
 
-The roundings are written here and in `benchmarks/sections/unbiased.py` (whose
-calibration the tests run at a small size), not with any eqxrules rule. Every
+The roundings and the planted defects are in `unbiased_helpers.py` and
+`benchmarks/sections/unbiased.py` (whose calibration the tests run at a small
+size), not written with any eqxrules rule; `test_unbiased_seen.py` tests the check
+without `neighbours`. Every
 statistical assertion states its own false-fail rate and the bound behind it; the
 keys are fixed, so each test is deterministic, and the rate says how unlucky a key
 would have to be for a correct checker to fail it."""
 
 from __future__ import annotations
 
-import functools as ft
 import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-
-from benchmarks.sections.unbiased import (
-    calibrate,
-    exact_rate,
-    format_values,
-    grid_sr,
-    integer_sr,
-    neighbours,
+from unbiased_helpers import (
+    DEFECTS,
+    DRAWS,
+    FORMATS,
+    KEY,
+    RATE,
+    _always_down,
+    _biased,
+    _most,
+    _problem,
+    _zeros,
 )
+
+from benchmarks.sections.unbiased import calibrate, exact_rate, integer_sr
 from eqxrules.testing import (
     UnbiasedCheckError,
     _unbiased,
@@ -35,115 +40,6 @@ from eqxrules.testing import (
     detectable_bias,
     draws_to_detect_bias,
 )
-
-DRAWS = 100_000  # the issue's budget: at most this many draws
-RATE = 1e-6  # the false-fail rate of every check of a correct rounding here
-KEY = jax.random.key(19)
-FORMATS = ("integers", "float8_e4m3fn", "float4_e2m1fn")
-
-
-def _binomial_tail(n: int, p: float, k: int) -> float:
-    """`P(Binomial(n, p) >= k)`, exactly (in float64)."""
-    return sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(k, n + 1))
-
-
-def _most(n: int, p: float, rate: float = RATE) -> int:
-    """The smallest count `k` above which a count has probability at most `rate`
-    (`P(Binomial(n, p) > k) <= rate`), when each of `n` independent runs succeeds
-    with probability at most `p`."""
-    return next(k for k in range(n + 2) if _binomial_tail(n, p, k + 1) <= rate)
-
-
-@ft.cache
-def _format(name: str):
-    """`(values, dtype)` of a grid: its sorted values and the rounding's output dtype."""
-    if name == "integers":
-        return np.arange(-64.0, 65.0), jnp.float32
-    return format_values(getattr(ml_dtypes, name)), getattr(jnp, name)
-
-
-@ft.cache
-def _problem(name: str, size: int = 1024, p_range: tuple[float, float] = (0, 1)):
-    """A correct rounding onto `name`; `x`: `size` values with `P(up)` uniform in
-    `p_range`, in random gaps of the grid, then 64 representable values; and the
-    neighbours of `x`."""
-    values, dtype = _format(name)
-    k1, k2, k3 = jax.random.split(jax.random.fold_in(KEY, len(name)), 3)
-    # Gaps weighted by 1 / magnitude, so that small values and subnormals are
-    # well represented.
-    scale = np.abs(values[1:]) + np.abs(values[:-1]) + 1e-3
-    weights = 1 / scale / np.sum(1 / scale)
-    gap = np.asarray(jax.random.choice(k1, len(values) - 1, (size,), p=weights))
-    p = np.asarray(
-        jax.random.uniform(k2, (size,), minval=p_range[0], maxval=p_range[1])
-    )
-    inside = values[gap] + p * (values[gap + 1] - values[gap])
-    exact = values[np.asarray(jax.random.choice(k3, len(values), (64,)))]
-    x = jnp.asarray(np.concatenate([inside, exact]), jnp.float32)
-    fn = integer_sr if name == "integers" else grid_sr(values, dtype)
-    return fn, x, neighbours(values, x)
-
-
-# ---------------------------------------------------------------------------
-# Planted defects, each modelled on a real bug. `fn` is a correct rounding and
-# `pair` its neighbours of `x`; each returns a rounding with the bug.
-
-
-def _nearest(fn, pair):
-    """qwix: "stochastic" rounding that silently rounds to nearest."""
-    lower, upper = (jnp.asarray(v, jnp.float32) for v in pair)
-    return lambda x, key: jnp.where(x - lower < upper - x, lower, upper)
-
-
-def _always_down(fn, pair):
-    """oneDNN #2903: stochastic rounding that (almost) always rounds down."""
-    lower = jnp.asarray(pair[0], jnp.float32)
-    return lambda x, key: lower
-
-
-def _biased(fn, pair, factor=1.03):
-    """gfloat #36: rounds up with probability `1.03 p` instead of `p`."""
-    lower, upper = (jnp.asarray(v, jnp.float32) for v in pair)
-    gap = jnp.where(upper > lower, upper - lower, 1)
-
-    def biased(x, key):
-        p = jnp.clip((x - lower) / gap * factor, 0, 1)
-        return jnp.where(jax.random.uniform(key, x.shape) < p, upper, lower)
-
-    return biased
-
-
-def _fixed_key(fn, pair):
-    """Primus-Turbo #365: the key is ignored (a fixed seed), so every draw is the
-    same."""
-    return lambda x, key: fn(x, jax.random.key(0))
-
-
-def _zeros(fn, pair):
-    """Transformer Engine #3281: stochastic rounding that returns all zeros."""
-    return lambda x, key: jnp.zeros_like(x)
-
-
-def _moves_representable(fn, pair):
-    """A representable `x` moved up by one once in a thousand draws (an off-by-one
-    that treats a level as lying between levels): it must stay `x` always."""
-    lower, upper = (jnp.asarray(v, jnp.float32) for v in pair)
-
-    def moved(x, key):
-        drift = (lower == upper) & (jax.random.uniform(key, x.shape) < 1e-3)
-        return jnp.where(drift, x + 1, fn(x, key).astype(jnp.float32))
-
-    return moved
-
-
-DEFECTS = {
-    "nearest": _nearest,
-    "always_down": _always_down,
-    "fixed_key": _fixed_key,
-    "zeros": _zeros,
-    "moves_representable": _moves_representable,
-}
-
 
 # ---------------------------------------------------------------------------
 # Correct roundings pass; the defects are caught
@@ -208,37 +104,47 @@ def test_a_3pc_bias_is_detectable_and_caught(name):
 
 
 # ---------------------------------------------------------------------------
-# Without neighbours: a range
+# Without neighbours: the neighbours drawn (`test_unbiased_seen.py` tests them
+# further), or a range (`within`)
 
 
 @pytest.mark.slow
 def test_bounds_give_the_same_test_as_neighbours():
-    # Same key, same draws: with bounds = (L, U) the mean of the draws carries the
-    # count, so the statistic is the same (up to float32 summation). False-fail
-    # rate at most RATE per check.
+    # Same key, same draws. With `bounds` = (L, U), the two values drawn at an
+    # element are L and U, with the same count; at an element that drew one value
+    # `bounds` put the other neighbour where it is (r = p): the statistic is the
+    # same. With `within` = (L, U) the mean of the draws carries the count: the
+    # same up to float32 summation. False-fail rate at most RATE per check.
     fn, x, pair = _problem("float8_e4m3fn")
     by_neighbours = check_unbiased(fn, x, key=KEY, neighbours=pair, draws=10_000)
     by_bounds = check_unbiased(fn, x, key=KEY, bounds=pair, draws=10_000)
-    assert by_bounds.passed and by_bounds.index == by_neighbours.index
-    assert by_bounds.statistic == pytest.approx(by_neighbours.statistic, rel=1e-3)
-    np.testing.assert_allclose(by_bounds.means, by_neighbours.means, rtol=1e-6)
-    np.testing.assert_array_equal(
-        by_bounds.detectable_biases, by_neighbours.detectable_biases
-    )
+    by_range = check_unbiased(fn, x, key=KEY, within=pair, draws=10_000)
+    assert by_bounds.passed and by_range.passed
+    assert by_bounds.index == by_neighbours.index == by_range.index
+    assert by_bounds.statistic == by_neighbours.statistic
+    assert by_range.statistic == pytest.approx(by_neighbours.statistic, rel=1e-3)
+    np.testing.assert_array_equal(by_bounds.means, by_neighbours.means)
+    np.testing.assert_allclose(by_range.means, by_neighbours.means, rtol=1e-6)
+    drawn = np.isfinite(by_bounds.detectable_fractions)  # both neighbours drawn
+    assert drawn.sum() >= 1024 + 64 - by_bounds.one_valued
+    for report in (by_bounds, by_range):
+        np.testing.assert_array_equal(
+            report.detectable_biases[drawn], by_neighbours.detectable_biases[drawn]
+        )
 
 
-def test_bounds_catch_bias_and_strays():
+def test_within_catches_bias_and_strays():
     fn, x, pair = _problem("integers", p_range=(0.5, 0.95))
     lower, upper = pair
     # Caught with the probability of the neighbours' test (same statistic).
     with pytest.raises(UnbiasedCheckError, match="of the way from"):
-        check_unbiased(_biased(fn, pair), x, key=KEY, bounds=pair)
-    with pytest.raises(UnbiasedCheckError, match="outside the bounds"):
-        check_unbiased(_zeros(fn, pair), x, key=KEY, bounds=pair, draws=100)
+        check_unbiased(_biased(fn, pair), x, key=KEY, within=pair)
+    with pytest.raises(UnbiasedCheckError, match="outside `within`"):
+        check_unbiased(_zeros(fn, pair), x, key=KEY, within=pair, draws=100)
     # A wider range passes a correct rounding (false-fail rate at most RATE), and
     # detects less.
-    wide = check_unbiased(fn, x, key=KEY, bounds=(lower - 1, upper + 1), draws=10_000)
-    tight = check_unbiased(fn, x, key=KEY, bounds=pair, draws=10_000)
+    wide = check_unbiased(fn, x, key=KEY, within=(lower - 1, upper + 1), draws=10_000)
+    tight = check_unbiased(fn, x, key=KEY, within=pair, draws=10_000)
     assert wide.passed and np.all(wide.detectable_biases > tight.detectable_biases)
 
 
@@ -396,8 +302,10 @@ MISUSE = [
     (dict(x=jnp.array([0.5, jnp.nan])), ValueError, r"`x` at index \(1,\) \(=nan\)"),
     (dict(key=0), TypeError, "`key` must be one PRNG key"),
     (dict(key=jax.random.split(KEY, 2)), TypeError, "`key` must be one PRNG key"),
-    (dict(neighbours=None), ValueError, "exactly one of `neighbours`.*got neither"),
-    (dict(bounds=PAIR), ValueError, "got both"),
+    (dict(bounds=PAIR), ValueError, "at most one of .*got `neighbours` and `bounds`"),
+    (dict(within=PAIR), ValueError, "got `neighbours` and `within`"),
+    (dict(neighbours=None, bounds=PAIR[0]), TypeError, "`bounds` must be a pair"),
+    (dict(neighbours=None, within=(0.0, 1.0)), ValueError, "`within` at index"),
     (dict(neighbours=PAIR[0]), TypeError, "`neighbours` must be a pair"),
     (dict(neighbours=(PAIR[0], np.ones(2))), ValueError, "do not broadcast"),
     (

@@ -22,10 +22,10 @@ from ._report import (
     RuleCheckError as RuleCheckError,
     RuleReport as RuleReport,
 )
-from ._unbiased import (
+from ._unbiased import check_unbiased as check_unbiased
+from ._unbiased_report import (
     UnbiasedCheckError as UnbiasedCheckError,
     UnbiasedReport as UnbiasedReport,
-    check_unbiased as check_unbiased,
 )
 
 if TYPE_CHECKING:
