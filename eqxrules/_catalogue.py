@@ -23,7 +23,6 @@ registered only if asked, with `functional(..., register=True)`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -127,8 +126,10 @@ class Rule(eqx.Module):
         return type(self).domain.kinks
 
     def input_domain(self) -> Domain:
-        """The class `domain` with this instance's `kinks()`."""
-        return dataclasses.replace(type(self).domain, kinks=tuple(self.kinks()))
+        """The class `domain` with this instance's `kinks()`, its range widened to
+        cover them if the class declares none
+        (`Domain.with_kinks`)."""
+        return type(self).domain.with_kinks(self.kinks())
 
     @classmethod
     def invalid_hyperparameters(cls, key: PRNGKeyArray) -> list[Invalid]:
