@@ -261,3 +261,18 @@ def test_degenerate_inputs_hold_each_slice(shape):
     # No zero input where the range does not hold 0.
     positive = eqxrules.Domain(low=1.0, high=2.0, shape=shape)
     assert not any("zero" in what for what, _ in positive.degenerate(jax.random.key(0)))
+
+
+def test_the_arrays_strategy_reaches_every_kink():
+    """`strategies.arrays(with_kinks=True)` with more kinks than elements draws a
+    run of consecutive kinks, so the last is reached (0.3 placed the first 12
+    only). The kinks lie outside `[low, high]`, so no random element equals one."""
+    from hypothesis import find, settings
+
+    from eqxrules.testing import strategies
+
+    domain = eqxrules.Domain(kinks=tuple(float(k) for k in range(10, 27)))
+    draws = strategies.arrays(domain, off_kinks=False, with_kinks=True)
+    x = find(draws, lambda x: 26.0 in np.asarray(x), settings=settings(database=None))
+    held = np.asarray(x).reshape(-1)
+    assert 26.0 in held and set(held) <= set(domain.kinks)  # 12 consecutive kinks
