@@ -61,8 +61,9 @@ class Rule(eqx.Module):
         derivative of its value (so finite differences apply).
     - `elementwise` (default `True`): `True` if the rule takes one floating-point
         array and rejects integer and bool input with a `TypeError`.
-    - `domain`: a [`Domain`][] for test inputs: range and shape. Its kinks come from
-        `kinks()`, per instance.
+    - `domain`: a [`Domain`][] for test inputs: range and shape,
+        `Domain(low=..., high=..., shape=...)`. Its kinks come from `kinks()`, per
+        instance; a range left at the default `[-2, 2]` is widened to cover them.
     - `pytree_input` (default `False`): `True` if `x` may be any pytree:
         floating-point leaves are transformed, every other leaf (integer and bool
         arrays, strings, Python numbers, `None`) comes back unchanged with no

@@ -1,8 +1,10 @@
 """What verifying a catalogue entry means, shared by `python -m eqxrules`, the test
 suite and [`eqxrules.verify_rule`][]: every example instance is checked
-with `check_rule` at a point that includes its kinks (where straight-through
-estimators go wrong; `rule.kinks()`, from its hyperparameters), and, for instances
-whose derivative is the true one, against finite differences off the kinks.
+with `check_rule` at every one of its kinks (where straight-through estimators go
+wrong; `rule.kinks()`, from its hyperparameters), at degenerate slices (zero,
+constant, one inf: where a rule that reduces over an axis goes wrong), and, for
+instances whose derivative is the true one, against finite differences off the
+kinks.
 
 It reads the catalogue and runs the checker, so it lives beside the catalogue and
 imports `eqxrules.testing`; the checker imports nothing back."""
@@ -216,9 +218,19 @@ def verify_rule(
     2. every instance of `rule.examples(key)` passes
         [`check_rule`][eqxrules.testing.check_rule] against the references, with
         the Module itself as an argument (so a wrapped model's parameters and the
-        rule's learnable fields are checked), at an input that contains each of
-        its `kinks()`; an instance whose `is_exact()` is also checked against
-        finite differences away from its kinks;
+        rule's learnable fields are checked), on inputs of its domain's shape
+        drawn from its `input_domain()` (a range left undeclared covers the
+        kinks):
+        - at every one of its `kinks()`, however many: as many inputs as it
+            takes, each holding the next kinks;
+        - at degenerate slices, where a rule that reduces over an axis (a norm, a
+            scale from a mean) goes wrong: an all-zero input and a zero slice along
+            every axis (where the range holds 0), a constant input and a constant
+            slice along every axis, and one `inf`. There it must give what the
+            references give wherever they are finite (a masked 0 stays 0); where
+            they are NaN it may give anything (`where_reference_nan="any"`);
+        - an instance whose `is_exact()`, also against finite differences away
+            from its kinks;
     3. it supports forward mode exactly as declared (`JVPRule` yes, `VJPRule` no);
     4. every invalid value its field declarations imply is rejected when the
         Module is built, with the declared `TypeError` or `ValueError` naming the
@@ -241,7 +253,7 @@ def verify_rule(
         ```python
         from eqxrules import verify_rule
 
-        print(verify_rule(MyRule))  # `MyRule`: passed (4 check_rule runs, 2.1 s)
+        print(verify_rule(MyRule))  # `MyRule`: passed (14 check_rule runs, 2.1 s)
         ```
     """
     if not (isinstance(rule, type) and issubclass(rule, Rule)):
