@@ -126,11 +126,10 @@ class Domain:
         c = self.low + 0.7 * (self.high - self.low)
         rank = len(self.shape)
         lines = np.zeros(self.shape, bool)
-        if rank:
-            for axis in range(rank):
-                index = [0] * rank
-                index[axis] = slice(None)
-                lines[tuple(index)] = True
+        for axis in range(rank):
+            index: list[int | slice] = [0] * rank
+            index[axis] = slice(None)
+            lines[tuple(index)] = True
         pairs: list[tuple[str, np.ndarray]] = []
         if self.low <= 0.0 <= self.high:
             pairs.append(("an all-zero input", np.zeros(self.shape, np.float32)))
