@@ -23,7 +23,6 @@ registered only if asked, with `functional(..., register=True)`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -62,8 +61,9 @@ class Rule(eqx.Module):
         derivative of its value (so finite differences apply).
     - `elementwise` (default `True`): `True` if the rule takes one floating-point
         array and rejects integer and bool input with a `TypeError`.
-    - `domain`: a [`Domain`][] for test inputs: range and shape. Its kinks come from
-        `kinks()`, per instance.
+    - `domain`: a [`Domain`][] for test inputs: range and shape,
+        `Domain(low=..., high=..., shape=...)`. Its kinks come from `kinks()`, per
+        instance; a range left at the default `[-2, 2]` is widened to cover them.
     - `pytree_input` (default `False`): `True` if `x` may be any pytree:
         floating-point leaves are transformed, every other leaf (integer and bool
         arrays, strings, Python numbers, `None`) comes back unchanged with no
@@ -127,8 +127,10 @@ class Rule(eqx.Module):
         return type(self).domain.kinks
 
     def input_domain(self) -> Domain:
-        """The class `domain` with this instance's `kinks()`."""
-        return dataclasses.replace(type(self).domain, kinks=tuple(self.kinks()))
+        """The class `domain` with this instance's `kinks()`, its range widened to
+        cover them if the class declares none
+        (`Domain.with_kinks`)."""
+        return type(self).domain.with_kinks(self.kinks())
 
     @classmethod
     def invalid_hyperparameters(cls, key: PRNGKeyArray) -> list[Invalid]:

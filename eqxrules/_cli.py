@@ -56,7 +56,10 @@ def _verify(args: argparse.Namespace) -> int:
             r = verify(target) if isinstance(target, Entry) else verify_user(*target)
         results.append(r)
         if args.verbose:
-            done = f"{_count(len(r.reports), 'example')} checked in {r.seconds:.2f}s"
+            done = (
+                f"{_count(len(r.examples), 'example')} checked "
+                f"({_count(len(r.reports), 'check_rule run')}) in {r.seconds:.2f}s"
+            )
             _say(
                 f"  {name}: {done}, {'passed' if r.passed else 'FAILED'}",
                 err=True,
@@ -75,7 +78,8 @@ def _verify(args: argparse.Namespace) -> int:
     verdict = "FAILED" if failed else "passed"
     _say(
         f"\n{len(results) - len(failed)}/{len(results)} rules passed "
-        f"({_count(sum(len(r.reports) for r in results), 'checked example')}, "
+        f"({_count(sum(len(r.examples) for r in results), 'checked example')} in "
+        f"{_count(sum(len(r.reports) for r in results), 'check_rule run')}, "
         f"{total:.1f}s): {verdict}"
     )
     return 1 if failed else 0
@@ -88,7 +92,8 @@ def _result_json(r: EntryResult | UserResult) -> dict[str, Any]:
         "passed": r.passed,
         "modes": list(r.modes),
         "checks": {c: r.status(c) for c in CHECKS},
-        "examples": len(r.reports),
+        "examples": len(r.examples),
+        "check_rule_runs": len(r.reports),
         "seconds": round(r.seconds, 3),
         "failures": r.failures(),
     }

@@ -17,61 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
+from ._domain import Domain as Domain
 from ._hyper import declarations, parameters, undeclared
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-@dataclasses.dataclass(frozen=True)
-class Domain:
-    """Where a rule's inputs are drawn from in tests.
-
-    **Arguments:**
-
-    - `low`, `high`: inputs are drawn uniformly from `[low, high]`.
-    - `kinks`: points where the rule's derivative is discontinuous. Finite differences
-        stay at least `margin` away from them; boundary checks evaluate exactly on them.
-    - `shape`: the shape of a test input.
-    - `margin`: the distance kept from each kink when sampling off kinks.
-    """
-
-    low: float = -2.0
-    high: float = 2.0
-    kinks: tuple[float, ...] = ()
-    shape: tuple[int, ...] = (4, 3)
-    margin: float = 0.05
-
-    def __post_init__(self) -> None:
-        if not self.low < self.high:
-            raise ValueError(
-                f"`Domain`: `low` (={self.low}) must be less than `high` "
-                f"(={self.high})."
-            )
-
-    def sample(
-        self, key: PRNGKeyArray, dtype: Any = jnp.float32, *, off_kinks: bool = True
-    ) -> Array:
-        """A random input of `self.shape`. With `off_kinks`, no element lies within
-        `margin` of a kink; otherwise every kink also appears exactly once (if the
-        input has room), so boundary behaviour is exercised."""
-        x = jax.random.uniform(
-            key, self.shape, jnp.float32, minval=self.low, maxval=self.high
-        )
-        x = np.array(x)  # a writable copy
-        if off_kinks:
-            for k in self.kinks:
-                near = np.abs(x - k) < self.margin
-                x = np.where(near, k + np.where(x >= k, 1, -1) * self.margin * 2, x)
-        else:
-            flat = x.reshape(-1)
-            for i, k in enumerate(self.kinks[: flat.size]):
-                flat[i] = k
-            x = flat.reshape(self.shape)
-        return jnp.asarray(x, dtype=dtype)
 
 
 _REGISTRY: list[type] = []
@@ -347,8 +298,9 @@ class Entry:
     - `forward_mode`: whether `jax.jvp` is supported.
     - `exact`: whether the derivative is the true one (finite differences apply).
     - `elementwise`: whether it takes one floating-point array.
-    - `domain`: the [`Domain`][] of test inputs, with the kinks of every example.
-        (Each example's own are `rule.input_domain()`.)
+    - `domain`: the [`Domain`][] of test inputs, with the kinks of every example
+        (`Domain.with_kinks`). (Each example's own
+        are `rule.input_domain()`.)
     - `reference_vjp`: whether the derivative is checked against `reference_vjp`
         (backward not linear in the cotangent) rather than `reference_derivative`.
     """
@@ -412,7 +364,7 @@ def _entry(rule: Any, function: Callable[..., Any] | None = None) -> Entry:
         forward_mode=rule.forward_mode,
         exact=rule.exact,
         elementwise=rule.elementwise,
-        domain=dataclasses.replace(rule.domain, kinks=tuple(sorted(kinks))),
+        domain=rule.domain.with_kinks(sorted(kinks)),
         reference_vjp=_defines(rule, "reference_vjp"),
     )
 

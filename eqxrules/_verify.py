@@ -1,8 +1,10 @@
 """What verifying a catalogue entry means, shared by `python -m eqxrules`, the test
 suite and [`eqxrules.verify_rule`][]: every example instance is checked
-with `check_rule` at a point that includes its kinks (where straight-through
-estimators go wrong; `rule.kinks()`, from its hyperparameters), and, for instances
-whose derivative is the true one, against finite differences off the kinks.
+with `check_rule` at every one of its kinks (where straight-through estimators go
+wrong; `rule.kinks()`, from its hyperparameters), at degenerate slices (zero,
+constant, one inf: where a rule that reduces over an axis goes wrong), and, for
+instances whose derivative is the true one, against finite differences off the
+kinks.
 
 It reads the catalogue and runs the checker, so it lives beside the catalogue and
 imports `eqxrules.testing`; the checker imports nothing back."""
@@ -10,6 +12,7 @@ imports `eqxrules.testing`; the checker imports nothing back."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -84,32 +87,59 @@ def combined_status(reports: list[RuleReport], check: str) -> str:
 
 
 def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
-    """Check every example of `entry`; never raises on a failing check."""
+    """Check every example of `entry`; never raises on a failing check.
+
+    For each example `rule`, with `domain = rule.input_domain()`, `check_rule`
+    against the references:
+
+    - at every kink: one input of `domain.shape` per `n` kinks (`n` elements per
+        input), from `domain.on_kinks`;
+    - at each degenerate input of `domain.degenerate` (a zero, a constant and a
+        non-finite slice), where a rule that reduces over an axis goes wrong and
+        must still agree with its references: finite where they are finite, NaN
+        only where they are;
+    - for an example whose `is_exact()`, against finite differences off its
+        kinks."""
     key = jax.random.key(0) if key is None else key
-    k_examples, k_on, k_off, k_call = jax.random.split(key, 4)
+    k_examples, k_on, k_off, k_call, k_degenerate = jax.random.split(key, 5)
     start = time.perf_counter()
     reports = []
     labels = []
     examples = list(entry.examples(k_examples))
-    for i, rule in enumerate(examples):
-        labels.append(f"example {i} ({rule!r}) at its kinks")
-        domain = rule.input_domain()
-        on_kinks = domain.sample(k_on, off_kinks=False)
-        fn, args, refs = entry.check_arguments(rule, on_kinks, k_call)
+
+    def check(
+        rule: Any, x: Any, label: str, finite_differences: bool, nan: str = "nan"
+    ) -> None:
+        fn, args, refs = entry.check_arguments(rule, x, k_call)
+        labels.append(label)
         reports.append(
             check_rule(
-                fn, *args, **refs, finite_differences=False, raise_on_failure=False
+                fn,
+                *args,
+                **refs,
+                finite_differences=finite_differences,
+                raise_on_failure=False,
+                where_reference_nan=nan,
             )
         )
-        if rule.is_exact():
-            labels.append(f"example {i} ({rule!r}) off its kinks")
-            off_kinks = domain.sample(k_off, off_kinks=True)
-            fn, args, refs = entry.check_arguments(rule, off_kinks, k_call)
-            reports.append(
-                check_rule(
-                    fn, *args, **refs, finite_differences=True, raise_on_failure=False
-                )
+
+    for i, rule in enumerate(examples):
+        domain = rule.input_domain()
+        on_kinks = domain.on_kinks(k_on)
+        size, n = math.prod(domain.shape), len(domain.kinks)
+        for j, x in enumerate(on_kinks):
+            part = (
+                f" {j * size + 1} to {min(n, (j + 1) * size)} of {n}"
+                if len(on_kinks) > 1
+                else ""
             )
+            check(rule, x, f"example {i} ({rule!r}) at its kinks{part}", False)
+        for what, x in domain.degenerate(k_degenerate):
+            # Where a reference's own formula breaks down (NaN), the rule need not.
+            check(rule, x, f"example {i} ({rule!r}) at {what}", False, "any")
+        if rule.is_exact():
+            off_kinks = domain.sample(k_off, off_kinks=True)
+            check(rule, off_kinks, f"example {i} ({rule!r}) off its kinks", True)
     seconds = time.perf_counter() - start
     return EntryResult(entry, reports, seconds, labels, examples)
 
@@ -206,9 +236,19 @@ def verify_rule(
     2. every instance of `rule.examples(key)` passes
         [`check_rule`][eqxrules.testing.check_rule] against the references, with
         the Module itself as an argument (so a wrapped model's parameters and the
-        rule's learnable fields are checked), at an input that contains each of
-        its `kinks()`; an instance whose `is_exact()` is also checked against
-        finite differences away from its kinks;
+        rule's learnable fields are checked), on inputs of its domain's shape
+        drawn from its `input_domain()` (a range left undeclared covers the
+        kinks):
+        - at every one of its `kinks()`, however many: as many inputs as it
+            takes, each holding the next kinks;
+        - at degenerate slices, where a rule that reduces over an axis (a norm, a
+            scale from a mean) goes wrong: an all-zero input and a zero slice along
+            every axis (where the range holds 0), a constant input and a constant
+            slice along every axis, and one `inf`. There it must give what the
+            references give wherever they are finite (a masked 0 stays 0); where
+            they are NaN it may give anything (`where_reference_nan="any"`);
+        - an instance whose `is_exact()`, also against finite differences away
+            from its kinks;
     3. it supports forward mode exactly as declared (`JVPRule` yes, `VJPRule` no);
     4. every invalid value its field declarations imply is rejected when the
         Module is built, with the declared `TypeError` or `ValueError` naming the
@@ -231,7 +271,7 @@ def verify_rule(
         ```python
         from eqxrules import verify_rule
 
-        print(verify_rule(MyRule))  # `MyRule`: passed (4 check_rule runs, 2.1 s)
+        print(verify_rule(MyRule))  # `MyRule`: passed (14 check_rule runs, 2.1 s)
         ```
     """
     if not (isinstance(rule, type) and issubclass(rule, Rule)):

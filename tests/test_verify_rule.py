@@ -44,8 +44,11 @@ def test_a_correct_rule_passes_and_stays_out_of_the_catalogue():
     before = eqxrules.catalogue()
     result = verify_rule(Scale)
     assert result.passed and result.problems == []
-    # Two examples, each at its kinks and (exact) off them with finite differences.
-    assert len(result.reports) == 4
+    # Two examples, each at its kinks, at each degenerate input and (exact) off
+    # its kinks with finite differences.
+    degenerate = len(Scale.domain.degenerate(jax.random.key(0)))
+    assert degenerate == 5
+    assert len(result.reports) == 2 * (1 + degenerate + 1)
     assert all(r.passed for _, r in result.reports)
     assert "passed" in str(result)
     assert eqxrules.catalogue() == before

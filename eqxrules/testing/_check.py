@@ -212,6 +212,7 @@ def _run(
         problem, setup_error = None, e
     else:
         setup_error = None
+        problem.unchecked_nan = options.unchecked_nan
     setup_seconds = time.perf_counter() - start
 
     results: list[CheckResult] = []
@@ -253,6 +254,7 @@ def check_rule(
     order: int = 1,
     checks: Sequence[str] | None = None,
     skip: Sequence[str] | None = None,
+    where_reference_nan: str = "nan",
 ) -> RuleReport:
     r"""Check a custom derivative rule against references, one check at a time.
 
@@ -309,6 +311,13 @@ def check_rule(
         reported `"skipped"`, "not selected", and cost nothing.
     - `skip`: the names of the checks to leave out. Give `checks` or `skip`, not
         both.
+    - `where_reference_nan`: what the rule must give where a reference is NaN:
+        `"nan"` (NaN too, the default) or `"any"` (anything: the reference says
+        nothing there). With `"any"`, an element a reference gives as finite must
+        still be finite and match, and a zero cotangent may give NaN only where
+        the reference's own VJP of it does. For inputs where a reference's formula
+        breaks down though the rule need not (a norm's derivative at a slice
+        holding inf): [`eqxrules.verify_rule`][] checks its degenerate slices so.
 
     **Returns:**
 
@@ -338,6 +347,16 @@ def check_rule(
             "('fwd', 'rev')."
         )
     selected = _selection(checks, skip, order)
+    if not isinstance(where_reference_nan, str):
+        raise TypeError(
+            "`check_rule`: `where_reference_nan` must be a str ('nan' or 'any'), "
+            f"not {type(where_reference_nan).__name__} (={where_reference_nan!r})."
+        )
+    if where_reference_nan not in ("nan", "any"):
+        raise ValueError(
+            f"`check_rule`: `where_reference_nan` (={where_reference_nan!r}) must be "
+            "'nan' (the rule is NaN where a reference is) or 'any' (unchecked there)."
+        )
     if finite_differences is None:
         finite_differences = derivative is None and reference_vjp is None
     options = _Options(
@@ -345,6 +364,7 @@ def check_rule(
         finite_differences=finite_differences,
         num_directions=num_directions,
         order=int(order),
+        unchecked_nan=where_reference_nan == "any",
     )
 
     # Warnings raised while checking are the rule's (the checker's own arithmetic

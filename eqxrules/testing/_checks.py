@@ -5,7 +5,6 @@ wrong, and lets the rule's own exceptions through (`_Raised` says where)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -31,59 +30,25 @@ from ._compare import (
     _tolerance,
     _vdot,
 )
-from ._compat import enable_x64
+from ._finite_differences import (
+    FINITE_DIFFERENCE_TOLERANCES as FINITE_DIFFERENCE_TOLERANCES,
+    _check_finite_differences,
+    _float_or_none,
+)
+from ._options import _Options as _Options, _Raised as _Raised, _where
 from ._problem import _device, _Group, _Problem, _random_like, _zeros_like
-
-FINITE_DIFFERENCE_TOLERANCES: dict[bool, tuple[float, float, float]] = {
-    True: (1e-5, 1e-6, 1e-6),
-    False: (3e-2, 3e-3, 1e-2),
-}
-"""`(rtol, atol, step)` for central differences, keyed by whether they run in
-float64. The checker runs them in float64 (enabled for the check, on every
-supported JAX version), so uses `True`; float32 differences would need the loose
-`False`."""
 
 _BATCH = 3
 
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    modes: tuple[str, ...]
-    finite_differences: bool
-    num_directions: int
-    order: int
-
-
-class _Raised(Exception):
-    """The rule raised `exception` in the circumstances `context` names."""
-
-    def __init__(self, exception: Exception, context: str) -> None:
-        super().__init__(str(exception))
-        self.exception = exception
-        self.context = context
-
-
-@contextlib.contextmanager
-def _where(context: str):
-    """Name `context` in a failure or an exception raised inside."""
-    try:
-        yield
-    except _Failure as f:
-        raise _Failure(f"{context}: {f.detail}", **f.figures) from None
-    except _Raised:
-        raise
-    except Exception as e:
-        raise _Raised(e, context) from e
-
-
 def _check_primal(p: _Problem, o: _Options) -> dict[str, Any] | str:
     assert p.forward is not None
-    return p.compare(p.out, p.forward(*p.args), "out")
+    return p.compare(p.out, p.forward(*p.args), "out", reference=True)
 
 
 def _check_jvp(p: _Problem, o: _Options) -> dict[str, Any] | str:
     expected = p.reference_jvp_jit(p.diff, p.t)
-    return p.compare(p.rule_jvp, expected, "jvp(out)")
+    return p.compare(p.rule_jvp, expected, "jvp(out)", reference=True)
 
 
 def _check_linearity(p: _Problem, o: _Options) -> dict[str, Any] | str:
@@ -96,7 +61,9 @@ def _check_linearity(p: _Problem, o: _Options) -> dict[str, Any] | str:
 
 
 def _check_vjp(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    return p.compare_args(p.rule_vjp, p.reference_vjp_value, check_dtype=False)
+    return p.compare_args(
+        p.rule_vjp, p.reference_vjp_value, check_dtype=False, reference=True
+    )
 
 
 def _check_transpose(p: _Problem, o: _Options) -> dict[str, Any] | str:
@@ -157,103 +124,23 @@ def _check_held_fixed(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 # (or, with no `derivative`, the rule's own): no new program.
                 along = group.put(_zeros_like(p.t), group.get(p.t))
                 jvp = p.reference_jvp_jit if p.derivative is not None else p.jvp_jit
-                worst = p.compare(actual, jvp(p.diff, along), "jvp(out)")
+                worst = p.compare(
+                    actual,
+                    jvp(p.diff, along),
+                    "jvp(out)",
+                    reference=p.derivative is not None,
+                )
             else:
                 # The reference's cotangent (or, with no reference, the rule's own
                 # with every argument perturbed) for this group alone.
                 full = p.reference_vjp_value if p.has_reference else p.rule_vjp
                 expected = group.get(full)
                 worst = p.compare_args(
-                    actual, expected, at=group.path, check_dtype=False
-                )
-    return worst
-
-
-@np.errstate(all="ignore")
-def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    rtol, atol, eps = FINITE_DIFFERENCE_TOLERANCES[True]
-    worst: dict[str, Any] = {}
-    with enable_x64():
-        wide = np.float64
-        d = _device(jtu.tree_map(lambda x: np.asarray(x).astype(wide), p.diff))
-
-        def f_at(d: Any, v: Any, step: Any) -> Any:
-            return p.f(jtu.tree_map(lambda x, y: x + step * y, d, v))
-
-        # One program for every evaluation point (`d + step v`, the step an
-        # argument), and the points built on the device, not sent from the host.
-        f = _programs.jit(f_at)
-        jvp, vjp = _programs.jit(p.jvp), _programs.jit(p.vjp)
-        # Through the JVP if only forward mode is asked for, or if the rule has it
-        # (found out from this check's own program if no check has yet, so as not
-        # to trace another); else through the VJP.
-        through_jvp = "fwd" in o.modes and (
-            "rev" not in o.modes or p.forward_mode(jvp, d, d) is True
-        )
-        rng = p.rng("fd")
-        ct = ct_vjp = None
-        for _ in range(o.num_directions):
-            v = [
-                rng.standard_normal(np.shape(x), dtype=np.float32).astype(wide)
-                for x in jtu.tree_leaves(d)
-            ]
-            norm = np.sqrt(sum(float(np.sum(x**2)) for x in v))
-            v = _device(
-                jtu.tree_unflatten(jtu.tree_structure(d), [x / norm for x in v])
-            )
-            plus = f(d, v, np.asarray(eps, wide))
-            minus = f(d, v, np.asarray(-eps, wide))
-            fd = jtu.tree_map(
-                lambda a, b: (
-                    (np.asarray(a) - np.asarray(b)) / (2 * eps)
-                    if eqx.is_inexact_array(a)
-                    else None
-                ),
-                plus,
-                minus,
-            )
-            if through_jvp:
-                with _where(
-                    "the JVP along a random unit v against central differences"
-                ):
-                    jv = jtu.tree_map(_float_or_none, jvp(d, v))
-                    worst = p.compare(
-                        jv,
-                        fd,
-                        "jvp(out)",
-                        point=d,
-                        rtol=rtol,
-                        atol=atol,
-                        floor=None,
-                        check_dtype=False,
-                    )
-                continue
-            if ct is None:
-                ct = _device(
-                    jtu.tree_map(
-                        lambda x: (
-                            np.asarray(x).astype(wide) if eqx.is_inexact_array(x) else x
-                        ),
-                        p.ct,
-                    )
-                )
-                ct_vjp = vjp(d, ct)
-            lhs, s1 = _vdot(ct, fd)
-            rhs, s2 = _vdot(ct_vjp, v)
-            holds, worst = _identity(
-                lhs,
-                s1,
-                rhs,
-                s2,
-                path="<ct, finite difference> vs <J^T ct, v>",
-                rtol=rtol,
-                atol=atol,
-            )
-            if not holds:
-                raise _Failure(
-                    f"the VJP disagrees with central differences: {rhs:.6g} vs "
-                    f"{lhs:.6g}",
-                    **worst,
+                    actual,
+                    expected,
+                    at=group.path,
+                    check_dtype=False,
+                    reference=p.has_reference,
                 )
     return worst
 
@@ -299,10 +186,6 @@ def _check_batching(p: _Problem, o: _Options) -> dict[str, Any] | str:
     return worst
 
 
-def _float_or_none(x: Any) -> Any:
-    return x if eqx.is_inexact_array(x) else None
-
-
 def _drop_float0(tree: Any) -> Any:
     return jtu.tree_map(
         lambda x: None if jnp.result_type(x) == jax.dtypes.float0 else x, tree
@@ -327,11 +210,21 @@ def _check_zero_cotangent(p: _Problem, o: _Options) -> dict[str, Any] | str:
     )
     grads = p.vjp_jit(p.diff, zeros)
     points = jtu.tree_leaves(p.diff)
-    for (path, g), x in zip(jtu.tree_flatten_with_path(grads)[0], points):
+    # With `where_reference_nan="any"`, NaN is allowed where the reference's own
+    # VJP of the zero cotangent is NaN (its `0 · inf`); any other non-zero fails.
+    allowed: list[Any] = [None] * len(points)
+    if p.unchecked_nan and p.has_reference:
+        if any(np.any(np.isnan(np.asarray(g))) for g in _inexact(grads)):
+            reference = p.reference_vjp_jit(p.diff, zeros)
+            allowed = [np.isnan(np.asarray(r)) for r in jtu.tree_leaves(reference)]
+    leaves = jtu.tree_flatten_with_path(grads)[0]
+    for (path, g), x, nan_ok in zip(leaves, points, allowed):
         g = np.asarray(g)
         if g.dtype == jax.dtypes.float0:
             continue
         nonzero = g != 0
+        if nan_ok is not None:
+            nonzero &= ~(np.isnan(g) & nan_ok)
         if np.any(nonzero):
             flat = int(np.argmax(nonzero.reshape(-1)))
             value = g.reshape(-1)[flat].item()
@@ -347,6 +240,10 @@ def _check_zero_cotangent(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 inputs={p.arg_name(path): _scalar(np.asarray(x)[index])},
             )
     return {}
+
+
+def _inexact(tree: Any) -> list[Any]:
+    return [g for g in jtu.tree_leaves(tree) if _is_inexact(g)]
 
 
 def _check_dtype(p: _Problem, o: _Options) -> dict[str, Any] | str:
@@ -404,12 +301,16 @@ def _check_second_order(p: _Problem, o: _Options) -> dict[str, Any] | str:
         expected = jvp_of_vjp(reference)(p.diff, p.ct, p.t)
         with _where("JVP of VJP"):
             actual = jvp_of_vjp(p.vjp)(p.diff, p.ct, p.t)
-            worst = p.compare_args(actual, expected, "jvp(vjp)({})", check_dtype=False)
+            worst = p.compare_args(
+                actual, expected, "jvp(vjp)({})", check_dtype=False, reference=True
+            )
     u = _random_like(p.rng("ct2"), p.diff)
     expected = vjp_of_vjp(reference)(p.diff, p.ct, u)
     with _where("VJP of VJP"):
         actual = vjp_of_vjp(p.vjp)(p.diff, p.ct, u)
-        figures = p.compare_args(actual, expected, "vjp(vjp)({})", check_dtype=False)
+        figures = p.compare_args(
+            actual, expected, "vjp(vjp)({})", check_dtype=False, reference=True
+        )
     return worst or figures
 
 

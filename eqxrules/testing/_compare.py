@@ -117,13 +117,16 @@ def _compare(
     check_dtype: bool = True,
     floor: str | None = None,
     inputs: Inputs | None = None,
+    unchecked_nan: bool = False,
 ) -> dict[str, Any]:
     """Fail (raise `_Failure`) unless every leaf agrees. Returns the figures: the
     leaf with the largest absolute error, and its worst element.
 
     `prefix` names a leaf by its path: a string is followed by the path
     (`"jvp(out)['a']"`), a function gives the whole name. A failure at an element
-    carries `inputs` there, if given."""
+    carries `inputs` there, if given. NaN must be where `expected` has NaN, and
+    only there; with `unchecked_nan`, an element where `expected` is NaN is not
+    compared (the reference says nothing there), and NaN elsewhere still fails."""
     name = prefix if callable(prefix) else (lambda path: prefix + jtu.keystr(path))
     a_leaves, a_def = jtu.tree_flatten_with_path(actual, is_leaf=_is_none)
     e_leaves, e_def = jtu.tree_flatten_with_path(expected, is_leaf=_is_none)
@@ -168,19 +171,20 @@ def _compare(
         en = np.asarray(e).astype(an.dtype)
         sn = np.abs(en) if s is None else np.abs(np.asarray(s)).astype(np.float64)
         a_nan, e_nan = np.isnan(an), np.isnan(en)
-        if np.any(a_nan != e_nan):
+        mismatch = (a_nan & ~e_nan) if unchecked_nan else (a_nan != e_nan)
+        if np.any(mismatch):
             which = (
                 "NaN where the reference is finite"
                 if np.any(a_nan & ~e_nan)
                 else "finite where the reference is NaN"
             )
-            flat = int(np.argmax((a_nan != e_nan).reshape(-1)))
+            flat = int(np.argmax(mismatch.reshape(-1)))
             element = _element(an, en, flat)
             raise _failure(
                 which, inputs, path, an.shape, path=where, rtol=r, atol=t, **element
             )
         same_inf = np.isinf(an) & (an == en)
-        err = np.where(a_nan | same_inf, 0.0, np.abs(an - en))
+        err = np.where(a_nan | e_nan | same_inf, 0.0, np.abs(an - en))
         err = np.where(np.isnan(err), np.inf, err)
         bound = t + r * np.where(np.isinf(sn), 0.0, sn)
         rel = np.where(np.abs(en) > 0, err / np.abs(en), np.where(err > 0, np.inf, 0))

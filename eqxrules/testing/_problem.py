@@ -209,6 +209,9 @@ class _Problem:
         streams = ("t", "t2", "ct", "batch", "fd", "ct2")
         seeds = np.random.SeedSequence(_entropy(key)).spawn(len(streams))
         self.seeds: dict[str, np.random.SeedSequence] = dict(zip(streams, seeds))
+        # Whether an element where a reference is NaN goes unchecked
+        # (`check_rule(..., where_reference_nan="any")`).
+        self.unchecked_nan = False
         self._forward_mode: bool | None = None if "fwd" in modes else False
         self._forward_error: BaseException | None = None
 
@@ -384,19 +387,28 @@ class _Problem:
         return self.reference_vjp_jit(self.diff, self.ct)
 
     def compare(
-        self, actual: Any, expected: Any, prefix: str, *, point: Any = None, **kw: Any
+        self,
+        actual: Any,
+        expected: Any,
+        prefix: str,
+        *,
+        point: Any = None,
+        reference: bool = False,
+        **kw: Any,
     ) -> dict[str, Any]:
         """Compare trees shaped like the output, named `prefix` (`"jvp(out)"`). A
         failure at an element gives the element there of each input of the leaf's
         shape: the input element of an elementwise rule. A Module argument's arrays
         are its parameters, which an output element does not follow index by index,
-        so they are left out."""
+        so they are left out. `reference`: `expected` comes from a reference (so
+        its NaN may go unchecked), not from the rule itself."""
 
         def same_shape(path: KeyPath, shape: Any, p: KeyPath, x: Any) -> bool:
             module = isinstance(self.args[p[0].idx], eqx.Module)
             return np.shape(x) == shape and not module
 
         inputs = self._inputs(point, same_shape)
+        kw.setdefault("unchecked_nan", reference and self.unchecked_nan)
         return self._compare(actual, expected, prefix, inputs, **kw)
 
     def compare_args(
@@ -407,11 +419,13 @@ class _Problem:
         *,
         at: KeyPath = (),
         point: Any = None,
+        reference: bool = False,
         **kw: Any,
     ) -> dict[str, Any]:
         """Compare trees shaped like the arguments (or their part at path `at`),
         each leaf named by its argument in `template` (`"vmap(vjp)({})"`). A
-        failure at an element gives the argument's element there."""
+        failure at an element gives the argument's element there. `reference`: as
+        for `compare`."""
 
         def name(path: KeyPath) -> str:
             return template.format(self.arg_name((*at, *path)))
@@ -420,6 +434,7 @@ class _Problem:
             return p == (*at, *path)
 
         inputs = self._inputs(point, same_leaf)
+        kw.setdefault("unchecked_nan", reference and self.unchecked_nan)
         return self._compare(actual, expected, name, inputs, **kw)
 
     def _inputs(self, point: Any, keep: Callable[..., bool]) -> Inputs:

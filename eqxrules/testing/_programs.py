@@ -82,6 +82,11 @@ class _Unshareable(Exception):
 
 
 def _digest(x: Any) -> tuple[Any, ...]:
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        # A typed PRNG key (a stochastic rule's, closed over): its bits and its
+        # implementation (named by the dtype) pin it down.
+        return ("key", str(dtype), *_digest(jax.random.key_data(x)))
     a = np.asarray(x)
     if a.dtype == object:
         raise _Unshareable

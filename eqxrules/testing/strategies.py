@@ -55,7 +55,10 @@ def arrays(
     - `off_kinks`: keep every element at least `domain.margin` from every kink (for
         finite differences).
     - `with_kinks`: then overwrite leading elements with the kinks themselves, so
-        boundary behaviour is exercised.
+        boundary behaviour is exercised. Where there are more kinks than elements,
+        a drawn run of consecutive kinks (wrapping round), so that every kink is
+        reached across draws; `eqxrules.Domain.on_kinks` gives inputs holding every
+        kink at once.
     """
     shape = domain.shape if shape is None else shape
     size = int(np.prod(shape))
@@ -71,10 +74,12 @@ def arrays(
     x = np.asarray(values, np.float32).reshape(shape)
     if off_kinks:
         x = _off_kinks(x, domain.kinks, domain.margin)
-    if with_kinks:
+    kinks = tuple(domain.kinks)
+    if with_kinks and kinks and size:
+        start = 0 if len(kinks) <= size else draw(st.integers(0, len(kinks) - 1))
+        chosen = [kinks[(start + i) % len(kinks)] for i in range(min(size, len(kinks)))]
         flat = x.reshape(-1)
-        for i, k in enumerate(domain.kinks[:size]):
-            flat[i] = k
+        flat[: len(chosen)] = chosen
         x = flat.reshape(shape)
     return jnp.asarray(x, dtype)
 
