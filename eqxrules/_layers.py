@@ -323,6 +323,11 @@ def quantize(
         layer = _plain(node)
         if recipe is not None:
             return _with_recipe(node, layer, recipe, path, name)
+        if not _has_weight_layer(layer):
+            raise TypeError(
+                f"`quantize`: `where` selected {name}, a {type(layer).__name__}; "
+                "the quantisers wrap `eqx.nn.Linear` and `eqx.nn.Conv` layers only."
+            )
         _along_reduction(layer, kernel_quantizer, "weight", name)
         _along_reduction(layer, input_quantizer, "input", name)
         return Quantized(

@@ -8,17 +8,21 @@ axis, `lax.dot_general`). Deterministic figures (`cost_analysis()`,
 reports them, with wall time, at realistic shapes.
 
 The planted defect beside the check: `quantized_dot` quantising each operand twice
-(`Q(Q(a))`, which XLA cannot fold), caught: its flops (FP8 and NVFP4), and its
-temp bytes (NVFP4)."""
+(`Q(Q(a))`, which XLA cannot fold; planted through a `recipes.Custom` recipe of
+quantiser subclasses, against the honest recipe's hand-written composition),
+caught: its flops (FP8 and NVFP4), and its temp bytes (NVFP4)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
+from benchmarks import xla
 from benchmarks.sections import quantized_dot as section
-from eqxrules._lowp import dot
+from eqxrules import recipes
 
 # The slow tier: compiles the recipes' products for XLA's cost analysis.
 pytestmark = pytest.mark.slow
@@ -59,25 +63,50 @@ def test_quantized_dot_costs_no_more_than_hand_written(name):
         assert all(np.array_equal(a, b) for a, b in zip(ours, hand)), mode
 
 
-@pytest.fixture
-def quantised_twice(monkeypatch):
-    """The planted defect: every operand of `quantized_dot` quantised twice (the
-    products' compiled cache replaced, so that the patch is traced)."""
-    once = dot._quantise
+def _twice(q):
+    """`q` quantising twice, `Q(Q(a))`: a user's subclass of `q`'s class, so the
+    defect enters through a public seam (a `recipes.Custom` recipe), not by
+    patching `quantized_dot`'s internals."""
+    if q is None:
+        return None
 
-    def twice(q, a, axis, key):
-        return once(q, once(q, a, axis, key), axis, key)
+    class Twice(type(q)):
+        def primal(self, x, *args, **kwargs):
+            once = super().primal
+            return once(once(x, *args, **kwargs), *args, **kwargs)
 
-    def evaluate(*args):
-        return dot._evaluate(*args)
-
-    monkeypatch.setattr(dot, "_quantise", twice)
-    monkeypatch.setattr(dot, "_compiled", jax.jit(evaluate, static_argnums=(0, 1)))
+    return Twice(**{f.name: getattr(q, f.name) for f in dataclasses.fields(q)})
 
 
-def test_planted_operand_quantised_twice_is_caught(quantised_twice):
+def _planted_costs(recipe) -> dict[str, tuple[float, int]]:
+    """The costs of `quantized_dot` with each operand quantised twice (the
+    planted defect), against the hand-written composition of the honest
+    `recipe`."""
+    products = recipe.products()
+    twice = recipes.Custom(
+        **{
+            name: recipes.Product(_twice(p.lhs), _twice(p.rhs), p.hadamard)
+            for name in ("fwd", "dx", "dw")
+            for p in [getattr(products, name)]
+        }
+    )
+    args = section.problem(recipe, SHAPE)
+    planted, honest = section.losses(twice), section.losses(recipe)
+    losses = {
+        "eqxrules": planted["eqxrules"],
+        "vmapped": planted["vmapped"],
+        "hand": honest["hand"],
+    }
+    return {
+        v: (f["flops"], f["temp"])
+        for v, loss in losses.items()
+        for f in [xla.figures(jax.value_and_grad(loss, (0, 1)), *args)]
+    }
+
+
+def test_planted_operand_quantised_twice_is_caught():
     plain = "nvfp4(), no SR, no RHT"
-    over = {n: _over(_costs(section.RECIPES[n])) for n in ("fp8()", plain)}
+    over = {n: _over(_planted_costs(section.RECIPES[n])) for n in ("fp8()", plain)}
     for name, modes in over.items():
         assert modes["eqxrules"] == modes["vmapped"], name
         assert "flops" in modes["eqxrules"], (name, modes)

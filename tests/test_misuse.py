@@ -570,6 +570,20 @@ def test_quantize_a_model_without_layers():
     _assert_names(str(info.value), ["quantize"], "`model`", "`where`")
 
 
+def test_quantize_where_selecting_what_is_not_a_layer():
+    """A `where` that selects a node without a weight: a `TypeError` naming the
+    node's path and type (it raised `AttributeError: ... no attribute 'weight'`)."""
+    _require("quantize")
+    model = eqx.nn.Sequential([eqx.nn.Lambda(jnp.tanh), _mlp()])
+    with pytest.raises(TypeError) as info:
+        eqxrules.quantize(
+            model,
+            kernel_quantizer=jnp.sign,
+            where=lambda node: isinstance(node, eqx.nn.Lambda),
+        )
+    _assert_names(str(info.value), ["quantize"], "`where`", "layers[0]", "Lambda")
+
+
 # --------------------------------------------------------------------------------
 # The declaration mechanism and the checker.
 
