@@ -82,6 +82,10 @@ class UserResult:
         return [r for _, r in self.verification.reports]
 
     @property
+    def examples(self) -> list[Any]:
+        return self.verification.examples
+
+    @property
     def seconds(self) -> float:
         return self.verification.seconds
 

@@ -155,12 +155,15 @@ class RuleVerification:
         checks, a forward mode other than declared, an invalid hyperparameter
         accepted, a dtype not kept.
     - `seconds`: wall time.
+    - `examples`: the example instances checked (none where the declaration is
+        incomplete).
     """
 
     rule: type
     reports: list[tuple[str, RuleReport]]
     problems: list[str]
     seconds: float
+    examples: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -294,10 +297,12 @@ def verify_rule(
         if not part.startswith("registration")
     ]
     reports: list[tuple[str, RuleReport]] = []
+    examples: list[Any] = []
     if not problems:
         entry = entry_of(rule)
         result = verify(entry, key)
         reports = list(zip(result.labels, result.reports))
+        examples = list(result.examples)
         problems += [
             f"{label}: {r.describe()}"
             for label, report in reports
@@ -318,7 +323,7 @@ def verify_rule(
             for i, m in enumerate(result.examples):
                 problems += [f"example {i}: {p}" for p in _keeps_dtype(entry, m, key)]
     verification = RuleVerification(
-        rule, reports, problems, time.perf_counter() - start
+        rule, reports, problems, time.perf_counter() - start, examples
     )
     if raise_on_failure and problems:
         raise RuleVerificationError(verification)
