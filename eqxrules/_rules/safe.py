@@ -299,7 +299,7 @@ class SafeSqrt(_Safe):
     domain: ClassVar[Domain] = Domain(low=0.0, high=4.0, kinks=(0.0,))
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        return jnp.sqrt(x)
+        return jnp.sqrt(x.astype(wide(x.dtype))).astype(x.dtype)
 
     def slope(self, x: Array) -> Array:
         x = jnp.asarray(x)  # under `grad`, a Python float arrives as `TypedFloat`
@@ -311,7 +311,8 @@ class SafeSqrt(_Safe):
         return jnp.where(zero, _zeros(w), slope).astype(x.dtype)
 
     def reference_forward(self, x: Array) -> Array:
-        return jnp.sqrt(x.astype(wide(x.dtype))).astype(x.dtype)
+        w = x.astype(wide(x.dtype))  # `pow(-inf, 0.5)` is inf by IEEE, not NaN
+        return jnp.where(w < 0, jnp.nan, jnp.power(w, 0.5)).astype(x.dtype)
 
     def reference_derivative(self, x: Array) -> Array:
         positive, negative = x > 0, ~(x >= 0)  # NaN is "negative": NaN derivative
@@ -413,8 +414,8 @@ class SafeArccos(_Safe):
     domain: ClassVar[Domain] = Domain(low=-1.0, high=1.0, kinks=(-1.0, 1.0))
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        _, inside, edge = _unit_interval(x)
-        return jnp.arccos(jnp.where(inside | edge, jnp.clip(x, -1, 1), x))
+        w, inside, edge = _unit_interval(x)
+        return jnp.arccos(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(x.dtype)
 
     def slope(self, x: Array) -> Array:
         return -_arc_slope(x)
@@ -452,8 +453,8 @@ class SafeArcsin(_Safe):
     domain: ClassVar[Domain] = Domain(low=-1.0, high=1.0, kinks=(-1.0, 1.0))
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        _, inside, edge = _unit_interval(x)
-        return jnp.arcsin(jnp.where(inside | edge, jnp.clip(x, -1, 1), x))
+        w, inside, edge = _unit_interval(x)
+        return jnp.arcsin(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(x.dtype)
 
     def slope(self, x: Array) -> Array:
         return _arc_slope(x)
