@@ -270,6 +270,18 @@ def _leaf_atol(b: np.ndarray) -> float:
     return max(1e-6, 1e-5 * float(np.max(finite, initial=0.0)))
 
 
+def test_leaf_atol_still_catches_a_wrong_entry():
+    """The leaf's scale forgives rounding of its largest terms in an entry that
+    cancels (safe_normalize's: 0 for 3e-5 beside 726), not an error of 1e-4 of
+    it (planted)."""
+    ref = np.array([-316.72116, 726.51013, 3.006135e-05], np.float32)
+    rounded, wrong = ref.copy(), ref.copy()
+    rounded[2], wrong[2] = 0.0, 0.08
+    np.testing.assert_allclose(rounded, ref, rtol=1e-5, atol=_leaf_atol(ref))
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(wrong, ref, rtol=1e-5, atol=_leaf_atol(ref))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("entry,index", CASES)
 def test_entry_keeps_dtype(entry, index, dtype):

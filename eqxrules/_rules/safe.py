@@ -42,7 +42,9 @@ def _zeros(x: Array) -> Array:
 def _kept_shape(shape: tuple[int, ...], axis: _Axis) -> tuple[int, ...]:
     """`shape` with the reduced axes kept as 1 (as `keepdims=True` gives)."""
     axes = range(len(shape)) if axis is None else np.atleast_1d(axis) % len(shape)
-    return tuple(1 if i in set(int(a) for a in axes) else n for i, n in enumerate(shape))
+    return tuple(
+        1 if i in set(int(a) for a in axes) else n for i, n in enumerate(shape)
+    )
 
 
 def _pow2(k: Array, dtype: Any) -> Array:
@@ -396,8 +398,9 @@ class SafeArccos(_Safe):
     `safe_arccos(jnp.clip(c, -1, 1))`.
 
     Inside, the value is `jnp.arccos`'s; the derivative is computed as
-    $-1/\sqrt{(1 - x)(1 + x)}$, which near $\pm 1$ is more accurate than JAX's
-    $-1/\sqrt{1 - x^2}$.
+    $-1/\sqrt{(1 - x)(1 + x)}$, which does not cancel near $\pm 1$ (where
+    $1 - x^2$ rounded in float32 is up to $3 \times 10^{-5}$ off, relatively,
+    within 1000 epsilons of 1).
 
     !!! Example
 
@@ -415,7 +418,9 @@ class SafeArccos(_Safe):
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         w, inside, edge = _unit_interval(x)
-        return jnp.arccos(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(x.dtype)
+        return jnp.arccos(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(
+            x.dtype
+        )
 
     def slope(self, x: Array) -> Array:
         return -_arc_slope(x)
@@ -454,7 +459,9 @@ class SafeArcsin(_Safe):
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
         w, inside, edge = _unit_interval(x)
-        return jnp.arcsin(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(x.dtype)
+        return jnp.arcsin(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(
+            x.dtype
+        )
 
     def slope(self, x: Array) -> Array:
         return _arc_slope(x)
