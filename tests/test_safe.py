@@ -218,6 +218,7 @@ def test_rule_is_the_plain_formula_away_from_its_singular_set(name):
     assert away_failures(f, PLAIN[name], _away_inputs(name)) == set()
 
 
+@pytest.mark.slow  # 14 cases of about 5 s: each compiles 12 derivatives
 @pytest.mark.parametrize("name,naive", list(EXPECTED), ids=lambda s: str(s))
 def test_naive_versions_fail_the_same_checks(name, naive):
     """Each naive formula and near miss fails the checks the rule passes, where
