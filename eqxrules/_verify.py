@@ -86,6 +86,13 @@ def combined_status(reports: list[RuleReport], check: str) -> str:
     return "skipped"
 
 
+# The checks whose outcome depends on the input's values, not only on the rule's
+# program: the value and its derivative in each mode. Linearity, transposition,
+# batching, jit, the zero cotangent and dtypes are properties of the program,
+# checked once per example (at its first input holding kinks).
+VALUE_CHECKS = ("primal", "jvp", "vjp")
+
+
 def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
     """Check every example of `entry`; never raises on a failing check.
 
@@ -93,11 +100,13 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
     against the references:
 
     - at every kink: one input of `domain.shape` per `n` kinks (`n` elements per
-        input), from `domain.on_kinks`;
+        input), from `domain.on_kinks`; the first with every check, the others
+        with those whose outcome depends on the input's values (`VALUE_CHECKS`:
+        the value, the JVP and the VJP);
     - at each degenerate input of `domain.degenerate` (a zero, a constant and a
         non-finite slice), where a rule that reduces over an axis goes wrong and
-        must still agree with its references: finite where they are finite, NaN
-        only where they are;
+        must still agree with its references (the value, the JVP and the VJP):
+        finite where they are finite, NaN only where they are;
     - for an example whose `is_exact()`, against finite differences off its
         kinks."""
     key = jax.random.key(0) if key is None else key
@@ -108,7 +117,12 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
     examples = list(entry.examples(k_examples))
 
     def check(
-        rule: Any, x: Any, label: str, finite_differences: bool, nan: str = "nan"
+        rule: Any,
+        x: Any,
+        label: str,
+        finite_differences: bool,
+        nan: str = "nan",
+        checks: tuple[str, ...] | None = None,
     ) -> None:
         fn, args, refs = entry.check_arguments(rule, x, k_call)
         labels.append(label)
@@ -120,6 +134,7 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
                 finite_differences=finite_differences,
                 raise_on_failure=False,
                 where_reference_nan=nan,
+                checks=checks,
             )
         )
 
@@ -133,10 +148,15 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
                 if len(on_kinks) > 1
                 else ""
             )
-            check(rule, x, f"example {i} ({rule!r}) at its kinks{part}", False)
+            # The first input gets the whole battery; the others the checks whose
+            # outcome depends on the input's values.
+            checks = None if j == 0 else VALUE_CHECKS
+            label = f"example {i} ({rule!r}) at its kinks{part}"
+            check(rule, x, label, False, checks=checks)
         for what, x in domain.degenerate(k_degenerate):
             # Where a reference's own formula breaks down (NaN), the rule need not.
-            check(rule, x, f"example {i} ({rule!r}) at {what}", False, "any")
+            label = f"example {i} ({rule!r}) at {what}"
+            check(rule, x, label, False, "any", VALUE_CHECKS)
         if rule.is_exact():
             off_kinks = domain.sample(k_off, off_kinks=True)
             check(rule, off_kinks, f"example {i} ({rule!r}) off its kinks", True)
