@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -93,8 +94,14 @@ def combined_status(reports: list[RuleReport], check: str) -> str:
 VALUE_CHECKS = ("primal", "jvp", "vjp")
 
 
-def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
-    """Check every example of `entry`; never raises on a failing check.
+def verify(
+    entry: Entry,
+    key: PRNGKeyArray | None = None,
+    *,
+    indices: Sequence[int] | None = None,
+) -> EntryResult:
+    """Check every example of `entry` (or those at `indices`, as built from the
+    same key); never raises on a failing check.
 
     For each example `rule`, with `domain = rule.input_domain()`, `check_rule`
     against the references:
@@ -115,6 +122,8 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
     reports = []
     labels = []
     examples = list(entry.examples(k_examples))
+    if indices is not None:
+        examples = [examples[i] for i in indices]
 
     def check(
         rule: Any,
@@ -138,7 +147,9 @@ def verify(entry: Entry, key: PRNGKeyArray | None = None) -> EntryResult:
             )
         )
 
-    for i, rule in enumerate(examples):
+    for i, rule in zip(
+        range(len(examples)) if indices is None else indices, examples, strict=True
+    ):
         domain = rule.input_domain()
         on_kinks = domain.on_kinks(k_on)
         size, n = math.prod(domain.shape), len(domain.kinks)
