@@ -71,6 +71,7 @@ def test_a_rule_names_a_bad_key(entry, rule, bad):
     assert_names_the_key(str(info.value), rule.rule_name(), given)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("entry, rule", STOCHASTIC)
 def test_a_rule_takes_typed_and_legacy_keys(entry, rule):
     x = jnp.asarray(entry.domain.sample(KEY, off_kinks=True))
@@ -127,6 +128,7 @@ CALLERS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("caller", CALLERS)
 def test_a_public_call_names_a_bad_key(caller):
     name, call = CALLERS[caller]

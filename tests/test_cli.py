@@ -414,6 +414,7 @@ def test_check_stochastic_round_gets_a_key(capsys, user_module):
         assert code == 0 and "using jax.random.key(0)" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "spec, derivative",

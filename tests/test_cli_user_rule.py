@@ -229,6 +229,7 @@ def test_version(capsys):
     )
 
 
+@pytest.mark.slow
 def test_verify_a_user_class_from_the_shell(tmp_path):
     """The issue's own command, through `python -m eqxrules`."""
     (tmp_path / "mymod.py").write_text(textwrap.dedent(USER_MODULE))

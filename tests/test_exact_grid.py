@@ -195,6 +195,7 @@ def test_ste_quantize_is_exact(inputs, bits, lo, hi):
     assert bad == {"index": 0, "ulp": 0, "nan": 0}
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("inputs", list(INPUTS))
 @pytest.mark.parametrize("bits", [1, 2, 8])
 def test_dorefa_is_exact(inputs, bits):
@@ -204,6 +205,7 @@ def test_dorefa_is_exact(inputs, bits):
     assert bad == {"index": 0, "ulp": 0, "nan": 0}
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("inputs", ["bfloat16", "float32"])
 @pytest.mark.parametrize("bits,lo,hi", GRIDS, ids=IDS)
 def test_the_index_itself_is_exact(inputs, bits, lo, hi):
@@ -310,6 +312,7 @@ def test_float32_at_every_threshold_and_level_jitted_and_eager(
     }
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("inputs", ["bfloat16", "float32"])
 @pytest.mark.parametrize(
     "bits,lo,hi", [g for g, p in PATHS.items() if p == "formula"], ids=str

@@ -74,6 +74,7 @@ def _element_mismatches(fmt: str, dtype_name: str, scale: float) -> int:
     return int(np.sum(_bits(got)[~nan] != _bits(want)[~nan]))
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("scale", [1.0, 3.0, 0.0625])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("fmt", list(MAX))
@@ -94,6 +95,7 @@ def test_planted_half_away_from_zero_rounding_is_caught(monkeypatch):
     assert _element_mismatches("e4m3", "float16", 3.0) > 0
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("fmt", list(MAX))
 def test_element_format_derivative_is_the_selected_range(fmt):
     """`t` where `|x/scale| <= max`, exactly 0 elsewhere (NaN and inf inputs, and
@@ -218,6 +220,7 @@ def _mx_mismatches(fmt, size, axis, dtype: Any = np.float32, **kw) -> int:
     )
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("size", [32, 4])
 @pytest.mark.parametrize("fmt", list(MAX))
@@ -255,6 +258,7 @@ def test_nvfp4_equals_the_numpy_rule(scale, axis):
         np.testing.assert_array_equal(_bits(got)[ok], _bits(want)[ok])
 
 
+@pytest.mark.slow
 def test_block_rules_are_straight_through_with_the_scales_fixed():
     x = jnp.asarray(_block_cases(16)[:3])
     ct = jnp.asarray(np.random.default_rng(1).standard_normal(x.shape), jnp.float32)
@@ -288,6 +292,7 @@ def test_block_must_divide_the_axis(call, named):
     assert "whose length is 20" in message or "whose length is 6" in message
 
 
+@pytest.mark.slow
 def test_a_layer_whose_dimension_the_block_does_not_divide():
     """`quantize` an MLP 64 → 20 → 10 with MX weights: the second Linear's 20
     inputs are not a multiple of 32; the error names the layer by its path in the

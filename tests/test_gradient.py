@@ -64,6 +64,7 @@ def test_value_is_identity_on_pytrees(name, jit):
     _check_passthrough(f(TREE), TREE)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", ALL)
 def test_gradient_on_pytrees_keeps_dtypes_and_unused_leaves_get_zero(name):
     floats, rest = eqx.partition(TREE, eqx.is_inexact_array)

@@ -309,6 +309,7 @@ class _NoGradScale(eqxrules.LSQ):
         return 1.0
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("defect", [_WrongSignAtTop, _NoGradScale])
 def test_check_rule_catches_planted_step_defects(defect):
     x = jnp.array([-1.5, -0.75, -0.2, 0.3, 0.5, 2.0])

@@ -215,6 +215,7 @@ class _MultipliedMask(eqxrules.SteSign):
         return t * (jnp.abs(x) <= self.clip_value).astype(t.dtype)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 def test_the_check_catches_0_2_0s_magnitude_aware_sign(dtype):
     found = non_zeros(_MultipliedScale(), True, dtype)

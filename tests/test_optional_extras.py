@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -16,6 +18,7 @@ def _without_hypothesis(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_strategies_without_hypothesis_name_the_extra():
     """`eqxrules.testing.strategies` needs the `test` extra: without hypothesis,
     importing it (either way) says which extra to install; `eqxrules` still

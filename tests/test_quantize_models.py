@@ -49,6 +49,7 @@ def _recipe_dot(h, weight, bias, recipe):
 # 1. Quantisers and a recipe on one layer compose.
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("order", ["quantisers first", "recipe first"])
 def test_quantisers_and_a_recipe_compose_on_one_layer(order):
     """Either order gives `Quantized(QuantizedLinear(linear))`, whose value is the

@@ -71,6 +71,7 @@ def test_products_equal_the_reference(name, jit):
     assert failures == dict.fromkeys(KINDS, {})
 
 
+@pytest.mark.slow
 def test_stochastic_products_equal_the_reference_with_the_same_key():
     # NVFP4 as Transformer Engine has it: the draws are those of the public
     # quantisers with the keys `quantized_dot` documents, so a key gives one answer.
@@ -130,6 +131,7 @@ def test_cotangents_have_their_primals_dtypes():
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
 def test_vmap_over_examples_is_one_call_on_the_batch(name):
@@ -287,6 +289,7 @@ def planted(monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.slow
 def test_planted_rotation_of_one_operand_is_caught(planted):
     calls = []
 

@@ -78,6 +78,7 @@ def _dx():
     return _check(0, DY.astype(np.float64) @ qw.T, bounds)
 
 
+@pytest.mark.slow
 def test_gradient_products_are_unbiased():
     dw, dx = _dw(), _dx()
     assert dw.passed and dx.passed
@@ -103,6 +104,7 @@ def one_key(monkeypatch):
     monkeypatch.setattr(dot, "_compiled", jax.jit(evaluate, static_argnums=(0, 1)))
 
 
+@pytest.mark.slow
 def test_planted_key_shared_by_both_operands_is_caught(one_key):
     # With one uniform u per position, x and dy round up together: on dw's diagonal
     # each term's mean is min(f_x, f_dy), not f_x f_dy (on average 1/3, not 1/4).

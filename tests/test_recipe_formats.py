@@ -155,6 +155,7 @@ def _amax_mismatches(fmt: str) -> dict[str, int]:
     return out
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_amax_scale_equals_the_numpy_rule(fmt):
     assert _amax_mismatches(fmt) == {}

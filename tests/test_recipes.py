@@ -186,6 +186,7 @@ def test_quantize_with_a_recipe_is_quantized_dot_on_the_batch():
     assert eqxrules.quantize(q, recipe=recipe) == q
 
 
+@pytest.mark.slow
 def test_keyed_gives_each_layer_its_own_key_at_every_call():
     q = eqxrules.Keyed(eqxrules.quantize(MLP, recipe=KEYED))
     keys = jax.random.split(KEY, len(MLP.layers) + 1)

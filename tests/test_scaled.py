@@ -90,6 +90,7 @@ def test_array_scale_gradient_exact_and_zero_otherwise():
         np.testing.assert_allclose(g.scale, expected, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_forward_mode_and_second_order_in_exact_mode():
     mlp = eqx.nn.MLP(3, 2, 4, 2, activation=jnp.tanh, key=jax.random.key(1))
     model = ScaledModel(mlp, 2.0)
@@ -100,6 +101,7 @@ def test_forward_mode_and_second_order_in_exact_mode():
     np.testing.assert_allclose(h, jax.hessian(lambda x: plain(x).sum())(X), atol=1e-6)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("mode", list(DEFINITIONS))
 def test_jit_vmap_and_functional_form(mode):
     mlp = eqx.nn.MLP(3, 2, 4, 1, activation=jnp.tanh, key=jax.random.key(2))

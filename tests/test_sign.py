@@ -58,6 +58,7 @@ def test_clip_value_none_is_no_clipping(cls):
     assert jnp.array_equal(type(rule).function(x, clip_value=None), rule(x))
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("c", THRESHOLDS)
 @pytest.mark.parametrize("cls", CLIPPED, ids=lambda c: c.__name__)

@@ -220,6 +220,7 @@ def check_core(core, fmt_name: str) -> None:
     assert np.all(np.abs(p - f) < 2.0**-20), (fmt_name, p, f)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("fmt_name", list(FORMATS))
 def test_the_core_rounds_up_with_the_exact_probability(fmt_name):
     check_core(stochastic_round_to, fmt_name)
@@ -390,6 +391,7 @@ def check_rule_threshold(rule, x, u, multiplier):
         )
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("make,args", _rule_cases())
 def test_rules_round_with_the_core_and_the_nearest_scales(make, args):
     check_rule_threshold(*make(*args))

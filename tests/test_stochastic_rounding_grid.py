@@ -256,6 +256,7 @@ def test_every_input_steps_for_the_exact_count_of_bit_patterns(dtype, bits, lo, 
     check_counts(shipped, _inputs(dtype, bits, lo, hi), bits, lo, hi)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("bits,lo,hi", [(8, -1.0, 1.0), (13, 0.0, 1.0), (4, 0.0, 15.0)])
 def test_float64_inputs(bits, lo, hi):
     """float64 inputs are computed in float64 (the table, or the dyadic formula)."""

@@ -44,6 +44,7 @@ def _across(rule, t):
     return (lo + (hi - lo) * t).astype(F32)
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", RULES, ids=IDS)
 def test_same_key_same_draw_other_key_other_draw(rule):
@@ -84,6 +85,7 @@ def test_levels_stay_beyond_the_range_saturates_nan_stays(rule, dtype):
         assert np.isnan(q[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", RULES, ids=IDS)
 def test_the_reference_agrees_and_the_derivative_is_nearest_s(rule):

@@ -48,6 +48,7 @@ def test_beyond_max_saturates_nan_stays_and_values_of_the_format_stay(fmt_name):
         np.testing.assert_array_equal(q, want)
 
 
+@pytest.mark.slow
 def test_block_rules_keep_nan_blocks_and_zeros():
     x = np.asarray(np.random.default_rng(0).standard_normal((2, 32)), F32)
     x[0, 3] = np.nan
@@ -146,6 +147,7 @@ def _sr_kernel_and_input():
     )
 
 
+@pytest.mark.slow
 def test_quantized_splits_the_key_between_its_stochastic_quantisers():
     linear = eqx.nn.Linear(8, 3, key=jax.random.key(0))
     layer = eqxrules.Quantized(linear, **_sr_kernel_and_input())

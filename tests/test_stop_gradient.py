@@ -152,6 +152,7 @@ def test_frozen_call_forward_mode():
     np.testing.assert_allclose(jacobian, jax.jacfwd(mlp)(X), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("transform", ["hessian", "grad_grad"])
 def test_frozen_call_second_order_matches_plain_composition(transform):
     """Second derivatives, also the mixed ones in (parameters, x), equal those of the

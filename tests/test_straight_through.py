@@ -235,6 +235,7 @@ def _softmax(z, axis):
     return e / e.sum(axis=axis, keepdims=True)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_straight_through_onehot_value_and_softmax_derivative(axis):
     logits = jnp.array([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])
@@ -276,6 +277,7 @@ def test_gumbel_softmax_derivative_is_the_soft_samples(hard):
     np.testing.assert_allclose(grad, expected, rtol=1e-5)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_gumbel_softmax_is_finite_at_huge_logits(dtype):
     """pytorch#22442: torch's gumbel_softmax returns NaN here."""
@@ -438,6 +440,7 @@ def _values_and_grads(x):
     return {name: (f(x), grad(f)) for name, f in CALLS.items()}
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_stays_low_precision(dtype):
     """bf16 and f16 stay as they are in value and gradient, and the value is the

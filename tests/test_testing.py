@@ -429,6 +429,7 @@ def test_pytree_inputs_and_outputs():
     assert report.passed
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_tolerances_per_dtype_accept_correct_rule(dtype):
     report = check_rule(

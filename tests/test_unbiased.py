@@ -133,6 +133,7 @@ def test_bounds_give_the_same_test_as_neighbours():
         )
 
 
+@pytest.mark.slow
 def test_within_catches_bias_and_strays():
     fn, x, pair = _problem("integers", p_range=(0.5, 0.95))
     lower, upper = pair
@@ -260,6 +261,7 @@ def test_calibration_catches_an_overstated_rate(monkeypatch):
 # Draws, keys, and the report
 
 
+@pytest.mark.slow
 def test_chunks_do_not_change_the_draws():
     # Draw i has key i whatever the chunk; the padded draws of the last chunk are
     # masked out (13 chunks of 8 hold 104 draws for 100).
@@ -270,6 +272,7 @@ def test_chunks_do_not_change_the_draws():
     assert whole.statistic == chunked.statistic
 
 
+@pytest.mark.slow
 def test_raw_keys_neighbours_of_x_and_reports_without_raising():
     # False-fail rate at most RATE per passing check.
     fn, x, pair = _problem("integers")

@@ -86,6 +86,7 @@ def test_the_examples_are_found_from_the_catalogue():
     assert not rounds_stochastically(eqxrules.SteQuantize())  # rounds to nearest
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", CASES)
 def test_every_stochastic_rounding_in_the_catalogue_is_unbiased(rule):
@@ -113,6 +114,7 @@ class _NearestFloat(eqxrules.FloatQuantize):
         return self._with_bits(x, None)
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "defect",

@@ -88,6 +88,7 @@ def test_correct_rounding_passes_with_bounds_whatever_x(name):
     assert drawn.sum() == 1024 + 64 - report.one_valued
 
 
+@pytest.mark.slow
 def test_without_neighbours_the_statistic_is_that_with_neighbours():
     # Same key, same draws: where both neighbours are drawn they are L and U, with
     # the same counts (P(up) in [0.01, 0.99], so each element draws both but for
@@ -130,6 +131,7 @@ def test_a_third_value_fails():
     assert nan.index == (1,) and nan.stray_draws == 100 and "not finite" in nan.detail
 
 
+@pytest.mark.slow
 def test_one_value_other_than_x_fails_without_bounds():
     # Planted: rounding down always (oneDNN #2903), and both draws below x.
     x = jnp.array([0.3, 1.5, 2.0, -0.75])
