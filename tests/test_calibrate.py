@@ -98,25 +98,37 @@ class _Batched(eqx.Module):
         return jax.vmap(jax.vmap(self.model))(x.reshape(4, -1, x.shape[-1]))
 
 
-def _cases():
-    lsq = eqxrules.LSQ(1.0, bits=4, signed=False)
-    recurrent = _Recurrent(
+def _recurrent():
+    return _Recurrent(
         eqxrules.Quantized(
             eqx.nn.Linear(64, 64, key=jax.random.key(2)),
             input_quantizer=eqxrules.LSQ(1.0, bits=3),
         )
     )
-    return {
-        "lsq": (_digits_mlp(lsq), _pixels(64), True),
-        "pact": (_digits_mlp(eqxrules.PACT(1.0, bits=2)), _pixels(64), True),
-        "lsq-per-channel": (
-            _digits_mlp(eqxrules.LSQ(1.0, bits=4, axis=-1)),
-            _pixels(64),
-            True,
-        ),
-        "scan": (recurrent, _pixels(32), True),
-        "nested-vmap": (_Batched(_digits_mlp(lsq)), _pixels(64), False),
-    }
+
+
+def _lsq():
+    return eqxrules.LSQ(1.0, bits=4, signed=False)
+
+
+# Each case's builder, called by the test that takes it (not at collection: the
+# models are built and the pixels sampled with eager JAX ops, seconds in all).
+_CASES = {
+    "lsq": lambda: (_digits_mlp(_lsq()), _pixels(64), True),
+    "pact": lambda: (_digits_mlp(eqxrules.PACT(1.0, bits=2)), _pixels(64), True),
+    "lsq-per-channel": lambda: (
+        _digits_mlp(eqxrules.LSQ(1.0, bits=4, axis=-1)),
+        _pixels(64),
+        True,
+    ),
+    "scan": lambda: (_recurrent(), _pixels(32), True),
+    "nested-vmap": lambda: (_Batched(_digits_mlp(_lsq())), _pixels(64), False),
+}
+
+
+def _case(name):
+    """`(model, x, vmap)` for the case `name`."""
+    return _CASES[name]()
 
 
 def _bits(model):
@@ -127,13 +139,13 @@ def _bits(model):
 
 
 @pytest.mark.first_case_quick
-@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("case", list(_CASES))
 def test_calibrate_is_0_2_0_bit_for_bit(case):
     """Every array of the calibrated model (each fitted step, each alpha, the
     weights) has the bits 0.2.0's `calibrate` gave: per tensor, per channel, PACT,
     a layer called in a `lax.scan`, and a model that maps over the batch itself
     (two nested `vmap`s)."""
-    model, x, vmap = _cases()[case]
+    model, x, vmap = _case(case)
     got = eqxrules.calibrate(model, x, vmap=vmap)
     want = _calibrate_0_2_0(model, x, vmap=vmap)
     assert _bits(got) == _bits(want)
@@ -145,7 +157,7 @@ def test_the_bit_comparison_can_fail():
     (what one callback per batch gives) rather than sorted by their bytes, as 0.2.0
     did, differs in the last bits on the "lsq" case, so the comparison above
     catches a `calibrate` that dropped the sort."""
-    model, x, _ = _cases()["lsq"]
+    model, x, _ = _case("lsq")
     hidden = np.asarray(jax.vmap(lambda v: jax.nn.relu(model.layers[0](v)))(x))
     in_order = np.stack(sorted(hidden, key=lambda a: a.tobytes()))
     quantizer = model.layers[1].input_quantizer
@@ -174,13 +186,13 @@ def test_calibrate_calls_the_host_once_per_layer_call(host_calls):
     """The digits MLP on 64 examples: 3 host callbacks (one per layer), however
     many examples; 0.2.0 made one per example and layer, 192 (the planted
     defect: the same count fails the bound). A layer in a 3-step `lax.scan`: 3."""
-    model, x, _ = _cases()["lsq"]
+    model, x, _ = _case("lsq")
     eqxrules.calibrate(model, x[:64])
     assert len(host_calls) == len(model.layers) == 3
     host_calls.clear()
     _calibrate_0_2_0(model, x[:64])
     assert len(host_calls) == 64 * 3
     host_calls.clear()
-    recurrent, x, _ = _cases()["scan"]
+    recurrent, x, _ = _case("scan")
     eqxrules.calibrate(recurrent, x)
     assert len(host_calls) == 3

@@ -376,27 +376,28 @@ def _second_only(mlp):
 
 
 _S = eqxrules.SteSign()
-_RELU = _relu_mlp()
 # Each case where nothing is provable (so no warning), beside its twin that differs
-# in the one thing that makes it provable: the silence check fails on the twin.
+# in the one thing that makes it provable: the silence check fails on the twin. Each
+# is built by the test from a ReLU MLP `relu` (not at collection: its arrays are put
+# on the device, a compilation per new shape).
 SILENT = {
-    "tanh activation": (
+    "tanh activation": lambda relu: (
         _quantize_case(_mlp(), input_quantizer=_S),
-        _quantize_case(_RELU, input_quantizer=_S),
+        _quantize_case(relu, input_quantizer=_S),
     ),
-    "first layer only": (
-        _quantize_case(_RELU, input_quantizer=_S, where=_first_only(_RELU)),
-        _quantize_case(_RELU, input_quantizer=_S, where=_second_only(_RELU)),
+    "first layer only": lambda relu: (
+        _quantize_case(relu, input_quantizer=_S, where=_first_only(relu)),
+        _quantize_case(relu, input_quantizer=_S, where=_second_only(relu)),
     ),
-    "a weight quantiser": (
-        _quantize_case(_RELU, kernel_quantizer=_S),
-        _quantize_case(_RELU, input_quantizer=_S),
+    "a weight quantiser": lambda relu: (
+        _quantize_case(relu, kernel_quantizer=_S),
+        _quantize_case(relu, input_quantizer=_S),
     ),
-    "Heaviside, 0 or 1 after ReLU": (
-        _quantize_case(_RELU, input_quantizer=eqxrules.SteHeaviside()),
-        _quantize_case(_RELU, input_quantizer=eqxrules.ApproxSign()),
+    "Heaviside, 0 or 1 after ReLU": lambda relu: (
+        _quantize_case(relu, input_quantizer=eqxrules.SteHeaviside()),
+        _quantize_case(relu, input_quantizer=eqxrules.ApproxSign()),
     ),
-    "an MLP subclass": (
+    "an MLP subclass": lambda relu: (
         _quantize_case(_relu_mlp(cls=_SignedMLP), input_quantizer=_S),
         _quantize_case(_relu_mlp(), input_quantizer=_S),
     ),
@@ -405,7 +406,7 @@ SILENT = {
 
 @pytest.mark.parametrize("case", list(SILENT))
 def test_quantize_does_not_warn_where_nothing_is_proved(case):
-    silent, twin = SILENT[case]
+    silent, twin = SILENT[case](_relu_mlp())
     _check_silent(silent)
     with pytest.raises(AssertionError):  # the planted defect: the provable twin
         _check_silent(twin)

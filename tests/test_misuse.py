@@ -368,11 +368,17 @@ def test_nan_and_inf_stay_local(entry):
 def _takes_one_float_array(entry: eqxrules.Entry) -> bool:
     """Whether the rule rejects an integer array as not floating-point: the rules
     on one floating-point array (elementwise, blocked, learned, categorical), not
-    the pytree rules nor those that pass `x` to a model they wrap."""
+    the pytree rules nor those that pass `x` to a model they wrap.
+
+    Called at collection, so the rule is traced (`filter_eval_shape`), not run: the
+    check of its input's dtype is made when it is traced, and an abstract int32
+    input of the domain's shape stands for `jnp.zeros(shape, jnp.int32)` without an
+    eager compilation per rule."""
     rule = _examples(entry)[0]
-    x = jnp.zeros(entry.domain.shape, jnp.int32)
+    x = jax.ShapeDtypeStruct(tuple(entry.domain.shape), jnp.int32)
+    kwargs = rule.call_kwargs(CALL_KEY)
     try:
-        rule(x, **rule.call_kwargs(CALL_KEY))
+        eqx.filter_eval_shape(lambda r, x: r(x, **kwargs), rule, x)
     except TypeError as e:
         return "expects a floating-point array" in str(e)
     return False

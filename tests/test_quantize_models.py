@@ -11,6 +11,7 @@ and the block error mentioned `vmap` without one and named no layer."""
 
 from __future__ import annotations
 
+import functools as ft
 import warnings
 
 import equinox as eqx
@@ -23,8 +24,21 @@ import eqxrules
 from eqxrules import recipes
 
 KEY = jax.random.key(5)
-MLP = eqx.nn.MLP(64, 32, 64, 2, activation=jnp.tanh, key=KEY)  # 64 -> 64 -> 64 -> 32
-XS = jax.random.normal(jax.random.key(6), (32, 64))
+
+
+# The model and inputs, built by the first test that asks (eager JAX operations,
+# compiled on first use: not at collection).
+@ft.cache
+def _mlp() -> eqx.nn.MLP:
+    """64 -> 64 -> 64 -> 32."""
+    return eqx.nn.MLP(64, 32, 64, 2, activation=jnp.tanh, key=KEY)
+
+
+@ft.cache
+def _xs() -> jax.Array:
+    return jax.random.normal(jax.random.key(6), (32, 64))
+
+
 SIGN = eqxrules.SteSign()
 
 
@@ -35,9 +49,9 @@ def _sign(a):
 def _by_hand(layer_fn, xs):
     """The MLP's output with each layer computed by `layer_fn(i, layer, h)`."""
     h = xs
-    for i, layer in enumerate(MLP.layers):
+    for i, layer in enumerate(_mlp().layers):
         h = layer_fn(i, layer, h)
-        if i < len(MLP.layers) - 1:
+        if i < len(_mlp().layers) - 1:
             h = jnp.tanh(h)
     return h
 
@@ -57,11 +71,11 @@ def test_quantisers_and_a_recipe_compose_on_one_layer(order):
     and whose weight gradient reaches the float weight."""
     if order == "quantisers first":
         q = eqxrules.quantize(
-            eqxrules.quantize(MLP, kernel_quantizer=SIGN), recipe=recipes.mxfp8()
+            eqxrules.quantize(_mlp(), kernel_quantizer=SIGN), recipe=recipes.mxfp8()
         )
     else:
         q = eqxrules.quantize(
-            eqxrules.quantize(MLP, recipe=recipes.mxfp8()), kernel_quantizer=SIGN
+            eqxrules.quantize(_mlp(), recipe=recipes.mxfp8()), kernel_quantizer=SIGN
         )
     for layer in q.layers:
         assert type(layer) is eqxrules.Quantized
@@ -69,24 +83,24 @@ def test_quantisers_and_a_recipe_compose_on_one_layer(order):
         assert type(layer.layer.linear) is eqx.nn.Linear
         assert layer.kernel_quantizer == SIGN
         assert layer.layer.recipe == recipes.mxfp8()
-    got = np.asarray(q(XS))
+    got = np.asarray(q(_xs()))
     expected = _by_hand(
         lambda i, lin, h: _recipe_dot(h, _sign(lin.weight), lin.bias, recipes.mxfp8()),
-        XS,
+        _xs(),
     )
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     # Planted: the rule dropped (the recipe alone) is another function.
     recipe_only = _by_hand(
-        lambda i, lin, h: _recipe_dot(h, lin.weight, lin.bias, recipes.mxfp8()), XS
+        lambda i, lin, h: _recipe_dot(h, lin.weight, lin.bias, recipes.mxfp8()), _xs()
     )
     assert not np.allclose(got, recipe_only, atol=1e-3)
-    grads = eqx.filter_grad(lambda m: jnp.sum(m(XS) ** 2))(q)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(_xs()) ** 2))(q)
     assert all(np.any(layer.layer.linear.weight != 0) for layer in grads.layers)
 
 
 def test_a_recipe_and_quantisers_in_one_call_say_how_to_compose():
     with pytest.raises(ValueError, match=r"not both in one call.*quantise twice"):
-        eqxrules.quantize(MLP, recipe=recipes.mxfp8(), kernel_quantizer=SIGN)
+        eqxrules.quantize(_mlp(), recipe=recipes.mxfp8(), kernel_quantizer=SIGN)
 
 
 # 2. Quantising again replaces.
@@ -99,20 +113,21 @@ def _last(layer):
 def test_a_second_recipe_replaces_the_first():
     """`identity()` for evaluation gives the float model; with `where=` (given the
     plain layer), only the selected layers change."""
-    mx = eqxrules.quantize(MLP, recipe=recipes.mxfp8())
+    mx = eqxrules.quantize(_mlp(), recipe=recipes.mxfp8())
     plain = eqxrules.quantize(mx, recipe=recipes.identity())
     assert [layer.recipe for layer in plain.layers] == [recipes.identity()] * 3
     assert all(type(layer.linear) is eqx.nn.Linear for layer in plain.layers)
-    np.testing.assert_allclose(plain(XS), jax.vmap(MLP)(XS), rtol=1e-6, atol=1e-6)
-    assert not np.allclose(mx(XS), jax.vmap(MLP)(XS), atol=1e-3)  # it was MXFP8
+    xs, want = _xs(), jax.vmap(_mlp())(_xs())
+    np.testing.assert_allclose(plain(xs), want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(mx(xs), want, atol=1e-3)  # it was MXFP8
 
     mixed = eqxrules.quantize(mx, recipe=recipes.fp8(), where=_last)
     kinds = [layer.recipe for layer in mixed.layers]
     assert kinds == [recipes.mxfp8(), recipes.mxfp8(), recipes.fp8()]
     expected = _by_hand(
-        lambda i, lin, h: _recipe_dot(h, lin.weight, lin.bias, kinds[i]), XS
+        lambda i, lin, h: _recipe_dot(h, lin.weight, lin.bias, kinds[i]), _xs()
     )
-    np.testing.assert_allclose(mixed(XS), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(mixed(_xs()), expected, rtol=1e-6, atol=1e-6)
     # The paths the layers are named by follow the model.
     assert [layer.path for layer in mixed.layers] == [
         f"model.layers[{i}]" for i in range(3)
@@ -120,7 +135,7 @@ def test_a_second_recipe_replaces_the_first():
 
 
 def test_second_quantisers_replace_the_first_and_keep_a_recipe():
-    binary = eqxrules.quantize(MLP, kernel_quantizer=SIGN, input_quantizer=SIGN)
+    binary = eqxrules.quantize(_mlp(), kernel_quantizer=SIGN, input_quantizer=SIGN)
     rounded = eqxrules.quantize(binary, kernel_quantizer=eqxrules.SteRound())
     for layer in rounded.layers:
         assert type(layer.layer) is eqx.nn.Linear  # replaced, not nested
@@ -201,7 +216,7 @@ def test_a_model_with_nothing_to_quantise_says_what_it_lacks():
     assert "where" not in message, message
     for kwargs in ({"recipe": recipes.mxfp8()}, {"kernel_quantizer": SIGN}):
         with pytest.raises(ValueError, match="no layer of `model` .* matches `where`"):
-            eqxrules.quantize(MLP, where=lambda layer: False, **kwargs)
+            eqxrules.quantize(_mlp(), where=lambda layer: False, **kwargs)
 
 
 # 4. The block errors.
@@ -226,8 +241,8 @@ _OLD = (
 
 
 def test_the_weight_gradient_block_error_names_the_layer_and_vmap_only_under_it():
-    q = eqxrules.quantize(MLP, recipe=recipes.mxfp8())
-    xs = XS[:10]
+    q = eqxrules.quantize(_mlp(), recipe=recipes.mxfp8())
+    xs = _xs()[:10]
     for vmapped, loss in (
         (False, lambda m: jnp.sum(m(xs))),
         (True, lambda m: jnp.sum(jax.vmap(m)(xs))),

@@ -166,8 +166,16 @@ def _manual(mlp, xs, recipe, keys=None):
     return h
 
 
-MLP = eqx.nn.MLP(64, 32, 64, 2, key=jax.random.key(0))
-XS = jax.random.normal(jax.random.key(1), (32, 64))
+# The model and inputs, built by the first test that asks (eager JAX operations,
+# compiled on first use: not at collection).
+@ft.cache
+def _mlp() -> eqx.nn.MLP:
+    return eqx.nn.MLP(64, 32, 64, 2, key=jax.random.key(0))
+
+
+@ft.cache
+def _xs() -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (32, 64))
 
 
 def _grads(f, model):
@@ -176,11 +184,11 @@ def _grads(f, model):
 
 def test_quantize_with_a_recipe_is_quantized_dot_on_the_batch():
     recipe = recipes.mxfp8()
-    q = eqxrules.quantize(MLP, recipe=recipe)
+    q = eqxrules.quantize(_mlp(), recipe=recipe)
     assert all(isinstance(layer, eqxrules.QuantizedLinear) for layer in q.layers)
-    assert np.array_equal(jax.vmap(q)(XS), _manual(MLP, XS, recipe))
-    got = _grads(lambda m: jax.vmap(m)(XS), q)
-    expected = _grads(lambda m: _manual(m, XS, recipe), MLP)
+    assert np.array_equal(jax.vmap(q)(_xs()), _manual(_mlp(), _xs(), recipe))
+    got = _grads(lambda m: jax.vmap(m)(_xs()), q)
+    expected = _grads(lambda m: _manual(m, _xs(), recipe), _mlp())
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     # Quantising again leaves the layers as they are.
     assert eqxrules.quantize(q, recipe=recipe) == q
@@ -188,32 +196,32 @@ def test_quantize_with_a_recipe_is_quantized_dot_on_the_batch():
 
 @pytest.mark.slow
 def test_keyed_gives_each_layer_its_own_key_at_every_call():
-    q = eqxrules.Keyed(eqxrules.quantize(MLP, recipe=KEYED))
-    keys = jax.random.split(KEY, len(MLP.layers) + 1)
-    expected = _grads(lambda m: _manual(m, XS, KEYED, keys), MLP)
-    got = _grads(lambda m: jax.vmap(ft.partial(m, key=KEY))(XS), q)
+    q = eqxrules.Keyed(eqxrules.quantize(_mlp(), recipe=KEYED))
+    keys = jax.random.split(KEY, len(_mlp().layers) + 1)
+    expected = _grads(lambda m: _manual(m, _xs(), KEYED, keys), _mlp())
+    got = _grads(lambda m: jax.vmap(ft.partial(m, key=KEY))(_xs()), q)
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     # Keys differ across layers and calls (a planted one-key-for-all differs).
-    same = _grads(lambda m: _manual(m, XS, KEYED, [keys[0]] * 3), MLP)
+    same = _grads(lambda m: _manual(m, _xs(), KEYED, [keys[0]] * 3), _mlp())
     assert not all(np.array_equal(a, b) for a, b in zip(got, same))
     # The stored model holds no key.
     assert all(layer.key is None for layer in q.model.layers)
 
 
 def test_a_recipe_that_draws_without_a_key_is_an_error():
-    q = eqxrules.quantize(MLP, recipe=KEYED)
+    q = eqxrules.quantize(_mlp(), recipe=KEYED)
     match = r"`QuantizedLinear`: its recipe draws random numbers \(dx.lhs, dw.rhs, dw.hadamard\)"
     with pytest.raises(TypeError, match=match):
-        jax.vmap(q)(XS)
+        jax.vmap(q)(_xs())
     with pytest.raises(TypeError, match=match):
-        jax.vmap(eqxrules.Keyed(q))(XS)
+        jax.vmap(eqxrules.Keyed(q))(_xs())
 
 
 def test_keyed_passes_a_key_to_a_model_that_takes_one():
     model = eqx.nn.Sequential([eqx.nn.Linear(64, 32, key=KEY), eqx.nn.Dropout(0.5)])
     q = eqxrules.Keyed(eqxrules.quantize(model, recipe=recipes.mxfp8()))
-    a = jax.vmap(ft.partial(q, key=jax.random.key(1)))(XS)
-    b = jax.vmap(ft.partial(q, key=jax.random.key(2)))(XS)
+    a = jax.vmap(ft.partial(q, key=jax.random.key(1)))(_xs())
+    b = jax.vmap(ft.partial(q, key=jax.random.key(2)))(_xs())
     assert (a == 0).any() and not np.array_equal(a, b)  # dropout drew
 
 
@@ -226,9 +234,9 @@ def test_scalar_features():
 
 def test_quantize_with_a_recipe_rejects_misuse():
     with pytest.raises(ValueError, match="give `recipe` or the quantisers"):
-        eqxrules.quantize(MLP, recipe=recipes.mxfp8(), kernel_quantizer=MX)
+        eqxrules.quantize(_mlp(), recipe=recipes.mxfp8(), kernel_quantizer=MX)
     with pytest.raises(TypeError, match=r"`quantize`: `recipe` \(='mxfp8'\) must"):
-        eqxrules.quantize(MLP, recipe="mxfp8")  # type: ignore[arg-type]
+        eqxrules.quantize(_mlp(), recipe="mxfp8")  # type: ignore[arg-type]
     conv = eqx.nn.Sequential([eqx.nn.Conv1d(4, 4, 3, key=KEY)])
     with pytest.raises(TypeError, match=r"model.layers\[0\]` is a Conv1d"):
         eqxrules.quantize(

@@ -307,15 +307,30 @@ def _when(predicate: Callable[[eqxrules.Entry], bool]):
     return examples
 
 
+@ft.cache
 def _richest_output(entry: eqxrules.Entry) -> list[int]:
     """The example with the most output leaves (ties: the first), so that unused
     outputs receive `None` cotangents wherever an example has several."""
+    return [_richest_index(entry)]
+
+
+@ft.cache
+def _richest_index(entry: eqxrules.Entry) -> int:
+    """`_richest_output`'s index, once per entry. Evaluated at collection, so on the
+    input's shape and dtype only: `Case.x()` is a float32 array of
+    `case.domain.shape`, and `filter_eval_shape` traces it abstractly whatever its
+    values, so the count is the one a sampled input gives (without the eager
+    sampling, a compilation per new shape). A lone example is the richest without
+    tracing it."""
+    if len(_examples(entry)) == 1:
+        return 0
     counts = []
     for i in range(len(_examples(entry))):
         case = Case(entry, i)
-        out = eqx.filter_eval_shape(case.f, case.rule, case.x())
+        x = jax.ShapeDtypeStruct(tuple(case.domain.shape), jnp.float32)
+        out = eqx.filter_eval_shape(case.f, case.rule, x)
         counts.append(len(jtu.tree_leaves(out)))
-    return [int(np.argmax(counts))]
+    return int(np.argmax(counts))
 
 
 def situation(
