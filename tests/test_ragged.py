@@ -194,7 +194,12 @@ def _close(a, b) -> bool:
     )
 
 
-XS = jax.random.normal(jax.random.key(8), (20, 64))
+@ft.cache
+def _xs() -> jax.Array:
+    """Built by the first test that asks (eager JAX, not at collection)."""
+    return jax.random.normal(jax.random.key(8), (20, 64))
+
+
 _grad = eqx.filter_jit(eqx.filter_grad(_loss))
 _one = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x, key=KEY) ** 2)))
 
@@ -202,9 +207,9 @@ _one = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x, key=KEY) ** 2)))
 @pytest.mark.slow
 def test_a_quantized_model_trains_on_a_ragged_last_batch():
     model = _model()
-    got = _grad(model, XS, 20)  # a last batch of 20, in blocks of 16
-    assert _finite(got) and _equal(got, _grad(model, _pad(XS, 32), 20))
-    assert not _equal(got, _grad(model, XS[:16], 16))  # the 4 last rows count
+    got = _grad(model, _xs(), 20)  # a last batch of 20, in blocks of 16
+    assert _finite(got) and _equal(got, _grad(model, _pad(_xs(), 32), 20))
+    assert not _equal(got, _grad(model, _xs()[:16], 16))  # the 4 last rows count
 
 
 def _one_row_reference(got, want) -> None:
@@ -221,10 +226,10 @@ def _one_row_reference(got, want) -> None:
 def test_a_quantized_model_trains_on_one_example_and_a_scan_of_them():
     model = _model()
     # One example: a batch of one under `vmap`, and the example alone.
-    batch_of_one = _grad(model, XS[:1], 1)
+    batch_of_one = _grad(model, _xs()[:1], 1)
     assert _finite(batch_of_one)
-    _one_row_reference(batch_of_one, _grad(model, _pad(XS[:1], 16), 1))
-    assert _equal(_one(model, XS[0]), batch_of_one)
+    _one_row_reference(batch_of_one, _grad(model, _pad(_xs()[:1], 16), 1))
+    assert _equal(_one(model, _xs()[0]), batch_of_one)
 
     # Per-example gradients, a `scan` over single examples.
     params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -232,9 +237,9 @@ def test_a_quantized_model_trains_on_one_example_and_a_scan_of_them():
     def step(carry, x):
         return carry, _one(eqx.combine(params, static), x)
 
-    _, per_example = jax.lax.scan(step, None, XS[:3])
+    _, per_example = jax.lax.scan(step, None, _xs()[:3])
     for i in range(3):
         g_i = jax.tree.map(lambda v: v[i], per_example)
         assert _finite(g_i)
-        assert _equal(g_i, _one(model, XS[i]))
-        _one_row_reference(g_i, _grad(model, _pad(XS[i : i + 1], 16), 1))
+        assert _equal(g_i, _one(model, _xs()[i]))
+        _one_row_reference(g_i, _grad(model, _pad(_xs()[i : i + 1], 16), 1))
