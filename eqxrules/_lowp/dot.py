@@ -15,7 +15,10 @@ $$y = Q^{\mathrm{fwd}}_{x}(x)\, Q^{\mathrm{fwd}}_{w}(w) \quad (\text{along } K),
 
 Each product is evaluated by one function, `_evaluate`, from its
 [`Product`][eqxrules.recipes.Product] and its layout (`FORWARD`, `INPUT_GRADIENT`,
-`WEIGHT_GRADIENT`: which axis of each stored operand it reduces).
+`WEIGHT_GRADIENT`: which axis of each stored operand it reduces). The
+weight-gradient product pads a batch its blocks do not divide with zero rows at the
+end (`_pad_batch`), before its Hadamard transform and quantisers: zeros change no
+block's scale nor any sum, so the result is that of the padded batch, bit for bit.
 
 Under `jax.vmap`, a product whose batch operand is mapped runs once on the whole
 batch, the mapped axis joined to the rows (a `custom_vmap` rule): the weight-gradient
@@ -26,16 +29,14 @@ product's blocks, and any per-tensor scale, then see the batch, exactly as when
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.core import ShapedArray
 from jax.custom_batching import custom_vmap
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._catalogue import VJPRule
@@ -92,7 +93,10 @@ def _evaluate(
 ) -> Array:
     """`Q(lhs) · Q(rhs)` in float32, reduced as `layout` says, after the random
     Hadamard transform of both operands if `product` asks for it. `w` is the
-    weight, whose sharding the weight-gradient product takes."""
+    weight, whose sharding the weight-gradient product takes. The weight-gradient
+    product first pads a ragged batch (`_pad_batch`)."""
+    if layout is WEIGHT_GRADIENT:
+        lhs, rhs = _pad_batch(product, lhs, rhs)
     k_lhs = k_rhs = None
     if key is not None:
         k_lhs, k_rhs, k_signs = operand_keys(key)
@@ -108,6 +112,21 @@ def _evaluate(
     return jax.lax.dot_general(
         q_lhs, q_rhs, dims, preferred_element_type=_F32, **sharding
     )
+
+
+def _pad_batch(product: Product, lhs: Array, rhs: Array) -> tuple[Array, Array]:
+    """`lhs` and `rhs` (the weight-gradient product's `x` [M, K] and cotangent
+    [M, N]) with zero rows appended, up to the least multiple of every block length
+    of `product` (its quantisers' and its Hadamard transform's) at least M: the
+    same arrays where M is one already. Zero rows add nothing to the product, change
+    no block's amax (so no scale, block or per-tensor) and quantise to zero; at the
+    end, the partial block is the last one and every other block is as it was."""
+    block = math.lcm(1, *(size for _, size in block_lengths(product)))
+    pad = -lhs.shape[0] % block
+    if not pad:
+        return lhs, rhs
+    rows = ((0, pad), (0, 0))
+    return jnp.pad(lhs, rows), jnp.pad(rhs, rows)
 
 
 def _sharding_of(w: Array) -> dict[str, Any]:
@@ -144,8 +163,8 @@ def length_error(
 ) -> str | None:
     """The body of the `ValueError` when a block of `product` (its quantisers' or
     its Hadamard transform's) does not divide the reduced `length`, named
-    `dimension` (by default as `quantized_dot` names it: K, N or the batch M); else
-    `None`."""
+    `dimension` (by default as `quantized_dot` names it: K or N); else `None`. The
+    batch M has none: the weight-gradient product pads it (`_pad_batch`)."""
     for part, size in block_lengths(product):
         if length % size:
             operands = {"lhs": layout.operands[0], "rhs": layout.operands[1]}
@@ -158,68 +177,28 @@ def length_error(
     return None
 
 
-def _raise(*args: Any, message: str, shape: tuple[int, ...]) -> Any:
-    raise ValueError(message)
-
-
-# A product whose batch the blocks do not divide is an error only if it runs as it
-# is. Under `vmap`, `custom_vmap` first traces the per-example product (a batch of
-# one example, which no block of 32 divides), then replaces it with its rule's
-# product on the whole batch: so the error is raised when the per-example product
-# is evaluated or compiled, not when it is traced.
-_shape_error = Primitive("quantized_dot_shape_error")
-_shape_error.def_impl(_raise)
-_shape_error.def_abstract_eval(lambda _, *, message, shape: ShapedArray(shape, _F32))
-mlir.register_lowering(_shape_error, _raise)
-
-
 # `w` is [K, N] here: an `eqx.nn.Linear`'s weight ([out, in]) transposed.
 _DIMENSIONS = {
     "K": "K, the last axis of `x` and the first of `w`",
     "N": "N, the last axis of `w`",
-    "M": "the batch M, the product of `x`'s leading axes",
 }
-_VMAPPED_BATCH = (
-    "the batch M, the product of `x`'s leading axes and of the axes `jax.vmap` "
-    "maps over `x`"
-)
 
 
-def _batch_error(layout: Layout, spec: Product, lhs: Array, rhs: Array, where: Any):
-    """`None`, or the value standing for a product whose blocks do not divide what
-    it reduces: an error when evaluated. `where` is `(vmapped, layer)`: whether
-    `lhs` holds axes joined by `jax.vmap`, and the layer computing the product (a
-    description, or `None`)."""
-    vmapped, layer = where
-    dimension = _VMAPPED_BATCH if vmapped and layout.reduced == "M" else None
-    message = length_error(spec, layout, lhs.shape[layout.lhs_axis], dimension)
-    if message is None:
-        return None
-    message = f"`{_NAME}`: {message}"
-    if layer is not None:
-        message += f" (in {layer}; its input is `x`)"
-    shape = (lhs.shape[1 - layout.lhs_axis], rhs.shape[1 - layout.rhs_axis])
-    return _shape_error.bind(lhs, message=message + ".", shape=shape)
-
-
-def product(layout: Layout, spec: Product, layer: str | None = None) -> Any:
+def product(layout: Layout, spec: Product) -> Any:
     """`_evaluate` for `layout` and `spec`, as a function of `(lhs, rhs, w, key)`
     whose `vmap` joins the mapped axis to the batch (the rows) unless the weight
     `w` (an operand, or for the weight-gradient product a witness only) or the
-    key is mapped. `layer` describes the layer computing it, for errors."""
-    return _not_differentiated(_product(layout, spec, (False, layer)))
+    key is mapped."""
+    return _not_differentiated(_product(layout, spec))
 
 
-def _product(layout: Layout, spec: Product, where: tuple[bool, str | None]) -> Any:
-    """`product`'s function; `where` as `_batch_error` takes it (so that under
-    `vmap`, where the batched rule calls this with the axes joined, an error says
-    that the mapped axes are part of the batch, and without it does not)."""
+def _product(layout: Layout, spec: Product) -> Any:
+    """`product`'s function. Under `vmap`, `custom_vmap` traces it on one example
+    (whose batch the weight-gradient product pads, unevaluated), then replaces it
+    with its rule's: the same function on the whole batch."""
 
     @custom_vmap
     def run(lhs: Array, rhs: Array, w: Array, key: Any) -> Array:
-        error = _batch_error(layout, spec, lhs, rhs, where)
-        if error is not None:
-            return error
         return _compiled(spec, layout, lhs, rhs, w, key)
 
     @run.def_vmap
@@ -245,8 +224,7 @@ def _product(layout: Layout, spec: Product, where: tuple[bool, str | None]) -> A
             _fold(v, mapped, size) if rows else v
             for v, mapped, rows in zip((lhs, rhs), (lhs_b, rhs_b), layout.rows)
         )
-        # A fresh function (not `run`): the same rule, its errors saying `vmap`.
-        out = _product(layout, spec, (True, where[1]))(a, b, w, key)
+        out = run(a, b, w, key)
         if layout.output_rows:
             return out.reshape(size, -1, out.shape[-1]), True
         return out, False
@@ -297,8 +275,6 @@ class _QuantizedDot(VJPRule):
     cotangents have their primals' dtypes, and forward mode is a clear error)."""
 
     recipe: Custom = eqx.field(static=True)
-    # The layer computing the product, described for errors (`None`: no layer).
-    layer: str | None = eqx.field(default=None, static=True)
 
     elementwise: ClassVar[bool] = False
 
@@ -310,7 +286,7 @@ class _QuantizedDot(VJPRule):
         k = _keys(key)
         x2 = x.reshape(-1, x.shape[-1]).astype(_F32)
         w32 = w.astype(_F32)
-        y = product(FORWARD, self.recipe.fwd, self.layer)(x2, w32, w32, k[0])
+        y = product(FORWARD, self.recipe.fwd)(x2, w32, w32, k[0])
         return y.reshape(*x.shape[:-1], w.shape[1]).astype(jnp.result_type(x, w))
 
     def bwd(
@@ -321,8 +297,8 @@ class _QuantizedDot(VJPRule):
         x2 = x.reshape(-1, x.shape[-1]).astype(_F32)
         dy = cotangent.reshape(-1, w.shape[1]).astype(_F32)
         w32 = w.astype(_F32)
-        dx = product(INPUT_GRADIENT, self.recipe.dx, self.layer)(dy, w32, w32, k[1])
-        dw = product(WEIGHT_GRADIENT, self.recipe.dw, self.layer)(x2, dy, w32, k[2])
+        dx = product(INPUT_GRADIENT, self.recipe.dx)(dy, w32, w32, k[1])
+        dw = product(WEIGHT_GRADIENT, self.recipe.dw)(x2, dy, w32, k[2])
         return dx.reshape(x.shape), dw
 
 
@@ -355,7 +331,24 @@ def quantized_dot(
     dimension it reduces: $K$ for $y$, $N$ for $\bar x$, the batch $M$ for
     $\bar w$. A product whose recipe asks for it first rotates both operands along
     that dimension by the same random Hadamard transform (blocks of 16, say), which
-    leaves the unquantised product unchanged. Quantisation is computed in float32,
+    leaves the unquantised product unchanged.
+
+    A batch $M$ that the weight-gradient product's blocks (its quantisers' and its
+    Hadamard transform's) do not divide, a ragged last batch or one example, is
+    padded with zero rows at the end, in $x$ and $\bar y$ alike, to the least
+    multiple $M'$ of every block length, before the rotation:
+
+    $$\bar w = Q\begin{pmatrix} x \\ 0 \end{pmatrix}^\top
+    Q\begin{pmatrix} \bar y \\ 0 \end{pmatrix}
+    \quad (M' \text{ rows}).$$
+
+    Zeros change no block's amax, so no scale (the last block's, or a per-tensor
+    one), quantise to zero and add nothing: $\bar w$ is, bit for bit, that of the
+    call on the padded batch (whose own cotangent's padded rows are zero), and the
+    unquantised product $x^\top \bar y$ is unchanged. $K$ and $N$ are not padded:
+    they are the layer's features, and padding them would change the layer.
+
+    Quantisation is computed in float32,
     and so are the products (`jax.lax.dot_general` with float32 output, at JAX's
     default precision); the value has the dtype of `x · w`, each cotangent its
     primal's.
@@ -381,9 +374,9 @@ def quantized_dot(
 
     **Raises:**
 
-    `ValueError` when a product's blocks do not divide the dimension it reduces:
-    $K$ or $N$ at the call; the batch $M$ when the weight-gradient product runs
-    (at `jax.grad`), the message saying whether `jax.vmap`ped axes are part of it.
+    `ValueError` at the call when the forward product's blocks do not divide $K$,
+    or the input-gradient product's $N$ (a feature dimension, not padded). Never for
+    the batch $M$, which the weight-gradient product pads.
 
     Under `jax.vmap` over `x`, the mapped axis joins the batch: the result (value
     and gradients) is that of one call on the whole batch, its weight-gradient
@@ -394,7 +387,8 @@ def quantized_dot(
     does not give per-example gradients of `w`: each is the batch's. Under
     `jax.shard_map`, each device's call sees its own rows (its per-tensor scales
     and batch blocks are its own), and a replicated `w`'s cotangent is summed over
-    the devices, as `jnp.dot`'s is. Reverse mode only (`jax.grad`, `jax.vjp`); its
+    the devices, as `jnp.dot`'s is (a device whose rows its blocks do not divide
+    pads its own). Reverse mode only (`jax.grad`, `jax.vjp`); its
     derivative is not differentiated again.
 
     !!! Example
@@ -405,20 +399,6 @@ def quantized_dot(
         y = eqxrules.quantized_dot(x, w, recipe=eqxrules.recipes.mxfp8())
         ```
     """
-    return layer_dot(x, w, recipe=recipe, key=key)
-
-
-def layer_dot(
-    x: Array,
-    w: Array,
-    *,
-    recipe: Recipe,
-    key: PRNGKeyArray | None,
-    layer: str | None = None,
-) -> Array:
-    """`quantized_dot(x, w, recipe=recipe, key=key)` computed for `layer` (a
-    description of the layer, for the weight-gradient product's error: its batch
-    is known only when it runs)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(
             f"`{_NAME}`: `recipe` (={recipe!r}) must be an "
@@ -451,7 +431,7 @@ def layer_dot(
             "needs a PRNG key: pass `key=`."
         )
     # A key the recipe does not read is dropped, so that it cannot constrain `vmap`.
-    return _QuantizedDot(products, layer)(x, w, key=key if random else None)
+    return _QuantizedDot(products)(x, w, key=key if random else None)
 
 
 __all__ = ["quantized_dot"]

@@ -26,7 +26,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._inputs import check_key
 from .._tangents import takes_key
-from .dot import FORWARD, INPUT_GRADIENT, layer_dot, length_error
+from .dot import FORWARD, INPUT_GRADIENT, length_error, quantized_dot
 from .recipes import Recipe, reads_key
 
 
@@ -49,10 +49,11 @@ class QuantizedLinear(eqx.Module):
     - `recipe`: an [`eqxrules.recipes.Recipe`][].
     - `key`: a key to use when the call gives none (set by `Keyed` for one call;
         leave it `None`).
-    - `path`: where the layer is in its model, as `model.layers[1]`, for the
-        error raised when the weight-gradient product's blocks do not divide the
-        batch (known only when it runs). `quantize` sets it; `None` names the layer
-        by its shape.
+    - `path`: where the layer is in its model, as `model.layers[1]` (`quantize`
+        sets it; `None` for a layer built directly), to tell layers apart when
+        reading a model. No call needs it: the batch has no block to fit, the
+        weight-gradient product padding a batch its blocks do not divide with zero
+        rows (see [`quantized_dot`][eqxrules.quantized_dot]).
     """
 
     linear: eqx.nn.Linear
@@ -94,9 +95,7 @@ class QuantizedLinear(eqx.Module):
         linear = self.linear
         if linear.in_features == "scalar":
             x = jnp.reshape(x, (*jnp.shape(x), 1))
-        where = f"the layer at `{self.path}`" if self.path else "a `QuantizedLinear`"
-        where += f", {_features(linear)}"
-        y = layer_dot(x, linear.weight.T, recipe=self.recipe, key=key, layer=where)
+        y = quantized_dot(x, linear.weight.T, recipe=self.recipe, key=key)
         if linear.bias is not None:
             y = y + linear.bias
         return y[..., 0] if linear.out_features == "scalar" else y
