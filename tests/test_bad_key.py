@@ -150,6 +150,7 @@ def test_jax_own_error_is_not_accepted():
         assert_names_the_key(str(info.value), "stochastic_round", "int (=0)")
 
 
+@pytest.mark.slow
 def test_a_key_under_vmap_and_jit_is_accepted():
     """The check reads dtype and shape only: a traced key (mapped or not) passes."""
     keys = jax.random.split(CALL_KEY, 3)

@@ -138,6 +138,7 @@ def _bits(model):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("case", list(_CASES))
 def test_calibrate_is_0_2_0_bit_for_bit(case):
@@ -182,6 +183,7 @@ def host_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_calibrate_calls_the_host_once_per_layer_call(host_calls):
     """The digits MLP on 64 examples: 3 host callbacks (one per layer), however
     many examples; 0.2.0 made one per example and layer, 192 (the planted

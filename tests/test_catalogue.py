@@ -112,6 +112,7 @@ def test_a_forgotten_part_is_named():
     assert _Forgetful not in {e.module for e in eqxrules.catalogue()}
 
 
+@pytest.mark.slow
 def test_a_user_rule_joins_the_catalogue_only_when_asked():
     """A `Rule` subclass defined outside eqxrules is not registered, nor is it when
     its functional form is declared with `eqxrules.functional`; with
@@ -263,7 +264,15 @@ def test_entry_matches_reference_on_random_inputs(entry, index, data):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+# The low-precision columns run with the slow tier (as the matrix's do).
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
+        pytest.param(jnp.float16, marks=pytest.mark.slow),
+        jnp.float32,
+    ],
+)
 @pytest.mark.parametrize("entry,index", CASES)
 def test_entry_keeps_dtype(entry, index, dtype):
     """Value and gradient keep the input dtype: bf16 stays bf16."""
@@ -319,6 +328,7 @@ def test_reverse_only_entry_names_itself_under_forward_mode(entry, transform):
         run()
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "entry", [e for e in ENTRIES if not e.forward_mode], ids=lambda e: e.name
 )

@@ -154,6 +154,7 @@ def user_module(tmp_path, monkeypatch):
     return "my_rules"
 
 
+@pytest.mark.slow
 def test_check_user_rule(capsys, user_module):
     m = user_module
     args = ["--forward", f"{m}:forward", "--derivative", f"{m}:surrogate"]
@@ -404,6 +405,7 @@ def test_bad_seed_is_an_argparse_error(capsys, flag, value):
     assert f"argument {flag}: `{flag}` (={value!r}) must be a non-negative" in err
 
 
+@pytest.mark.slow
 def test_check_stochastic_round_gets_a_key(capsys, user_module):
     args = ["--shape", "8", "--derivative", f"{user_module}:identity"]
     for spec in ("eqxrules:stochastic_round", "eqxrules:StochasticRound"):
@@ -470,6 +472,7 @@ def test_check_a_surrogate_rule_without_derivative_says_so(user_module, spec):
     assert "straight-through" in str(e.value) and "--derivative" in str(e.value)
 
 
+@pytest.mark.slow
 def test_check_an_exact_catalogue_rule_uses_finite_differences(capsys, user_module):
     code, out = _run(capsys, "check", f"{user_module}:exact_scale", "--verbose")
     assert code == 0 and "check `finite_differences` passed" in out
@@ -485,6 +488,7 @@ def test_failed_finite_differences_hint_at_derivative(capsys, user_module, recwa
     assert [str(w.message) for w in recwarn] == []
 
 
+@pytest.mark.slow
 def test_module_entry_point_stops_quietly_on_a_closed_pipe():
     """`python -m eqxrules list | head -1`: the reader leaves first."""
     with subprocess.Popen(

@@ -237,6 +237,7 @@ def test_the_old_formula_fails(inputs, bits, lo, hi):
     assert bad["index"] + bad["ulp"] > 0
 
 
+@pytest.mark.slow
 def test_zero_and_the_sign_near_it():
     """The default grid (8 bits on [-1, 1]) has no zero level: 0 is the tie between
     -1/255 and +1/255 and goes to the even index, +1/255; every negative normal
@@ -250,6 +251,7 @@ def test_zero_and_the_sign_near_it():
     )
 
 
+@pytest.mark.slow
 def test_quantized_layer_weights_are_the_exact_levels():
     """Through `Quantized`, the weight is the exact grid too: bfloat16 weights near
     zero keep their sign (the 0.1.0 formula sent them to +1/255)."""

@@ -6,6 +6,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -27,6 +28,7 @@ def test_readme_lists_every_example_once():
     assert listed == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
+@pytest.mark.slow
 def test_scaled_model_example(load_example, capsys):
     figures = load_example("scaled_model").main(quick=True)
     out = capsys.readouterr().out

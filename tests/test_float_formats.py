@@ -366,6 +366,7 @@ def test_blocks_run_along_the_reduction_dimension():
     np.testing.assert_array_equal(got, by_hand(q_img))
 
 
+@pytest.mark.slow
 def test_mxfp4_weights_and_mxfp8_activations_train():
     """An MLP 64 → 32 → 10 under `quantize`, MXFP4 weights and MXFP8 (e4m3)
     activations: a few SGD steps with finite gradients reaching every latent

@@ -61,6 +61,7 @@ LAYERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_quantized_value_and_gradients(name):
@@ -101,6 +102,7 @@ def test_quantized_without_quantizers_is_the_layer():
     np.testing.assert_array_equal(eqxrules.Quantized(layer)(x), layer(x))
 
 
+@pytest.mark.slow
 def test_quantized_with_other_rules():
     layer = _inflate(_build(lambda k: eqx.nn.Linear(6, 2, key=k)))
     x = jnp.linspace(-1.5, 1.5, 6)
@@ -178,6 +180,7 @@ def _cnn(key):
     )
 
 
+@pytest.mark.slow
 def test_quantize_small_cnn_matches_and_learns():
     cnn = _build(_cnn, 4)
     binary = eqxrules.quantize(cnn, kernel_quantizer=eqxrules.SteSign())
@@ -244,6 +247,7 @@ def _check_key_split(cls):
     np.testing.assert_array_equal(q(x), binary(x))
 
 
+@pytest.mark.slow
 def test_quantized_passes_the_layer_its_part_of_the_key():
     _check_key_split(eqxrules.Quantized)
     with pytest.raises(AssertionError):

@@ -39,6 +39,7 @@ def test_lsq_value_and_derivatives_by_hand():
     np.testing.assert_allclose(_grads(raw, x)[0].step, ds.sum(), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_lsq_per_channel_steps_and_grad_scale():
     """One step per row (axis 0): each row quantised with its own step, and g uses
     N = the row's 3 elements, not the 6 of the tensor."""
@@ -52,6 +53,7 @@ def test_lsq_per_channel_steps_and_grad_scale():
     np.testing.assert_allclose(g, ds / math.sqrt(3 * 3), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_lsq_plus_offset_derivative():
     """Offset derivative 1 outside the clip range, 0 inside; the step's eq. 3 on
     x - offset."""
@@ -78,6 +80,7 @@ def test_pact_value_and_derivatives_by_hand():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "rule",
@@ -276,6 +279,7 @@ def test_quantize_fits_each_layers_step_and_calibrate_its_input():
         assert not np.array_equal(old.kernel_quantizer.step, new.kernel_quantizer.step)
 
 
+@pytest.mark.slow
 def test_calibrate_without_learned_quantizers_is_the_identity():
     model = eqxrules.quantize(_model(), kernel_quantizer=eqxrules.SteSign())
     assert eqxrules.calibrate(model, jnp.ones((2, 2, 5, 5))) is model
@@ -367,6 +371,7 @@ def test_derived_functional_forms_take_the_step_by_position():
         eqxrules.lsq_quantize(x, jnp.array(0.5), 2)  # type: ignore[misc]
 
 
+@pytest.mark.slow
 def test_calibrate_gives_the_same_bits_every_time():
     """The recorders' callbacks arrive in no fixed order; the fit must not depend on
     it. (Before the examples were put in order, 5 calls on this batch gave 3

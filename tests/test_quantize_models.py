@@ -156,6 +156,7 @@ def test_second_quantisers_replace_the_first_and_keep_a_recipe():
         assert type(layer.layer.linear) is eqx.nn.Linear
 
 
+@pytest.mark.slow
 def test_requantising_with_a_sign_after_relu_warns():
     """The new input quantiser is put on, so the constant-sign warning holds for it
     (on `625b3dc` nothing was put on, and nothing warned)."""

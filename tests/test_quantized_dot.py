@@ -174,6 +174,7 @@ def test_vmap_over_examples_is_one_call_on_the_batch(name):
     assert mismatches(dw, v0 + v1, b0 + b1 + U32 * np.abs(v0 + v1)) == 0
 
 
+@pytest.mark.slow
 def test_vmap_over_weights_maps_the_products():
     # An ensemble: each member its own product (to float32 summation order: the
     # members run in a loop).
@@ -187,6 +188,7 @@ def test_vmap_over_weights_maps_the_products():
             assert mismatches(value[i], *ref[n]) == 0
 
 
+@pytest.mark.slow
 def test_a_mapped_key_with_mapped_examples_is_an_error():
     recipe = NEAREST["nvfp4_1d_nearest_rht"]
     x, w, _ = _data("random")

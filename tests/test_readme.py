@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import eqxrules
 from eqxrules import _cli
@@ -89,6 +90,7 @@ def test_examples_row_of_qat_digits_is_the_recorded_run():
     assert rows == [update.qat_example_row(_qat_figures())]
 
 
+@pytest.mark.slow
 def test_the_recorded_run_is_a_full_run_of_every_row(load_example):
     # A row added to the example, or a quick run recorded, makes the figures stale.
     update = _script(ROOT / "scripts" / "update_readme.py")

@@ -161,6 +161,7 @@ def test_amax_scale_equals_the_numpy_rule(fmt):
     assert _amax_mismatches(fmt) == {}
 
 
+@pytest.mark.slow
 def test_amax_scale_sends_the_largest_element_to_the_formats_largest():
     x = jnp.asarray(_amax_cases()["random"])
     q = eqxrules.float_quantize(x, format="e4m3", scale="amax")

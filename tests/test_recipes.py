@@ -225,6 +225,7 @@ def test_keyed_passes_a_key_to_a_model_that_takes_one():
     assert (a == 0).any() and not np.array_equal(a, b)  # dropout drew
 
 
+@pytest.mark.slow
 def test_scalar_features():
     for n_in, n_out, x in (("scalar", 32, jnp.ones(())), (32, "scalar", jnp.ones(32))):
         linear = eqx.nn.Linear(n_in, n_out, key=KEY)

@@ -40,6 +40,7 @@ def _scales(draw, size):
     return jnp.asarray(values, jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("mode", list(DEFINITIONS))
 @settings(max_examples=3)
@@ -101,6 +102,7 @@ def test_forward_mode_and_second_order_in_exact_mode():
     np.testing.assert_allclose(h, jax.hessian(lambda x: plain(x).sum())(X), atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("mode", list(DEFINITIONS))
 def test_jit_vmap_and_functional_form(mode):
@@ -117,6 +119,7 @@ def test_jit_vmap_and_functional_form(mode):
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_pytree_output_and_plain_function_sub_model():
     def sub(u):
         return {"sin": jnp.sin(u), "pair": (u**2, jnp.cos(u))}

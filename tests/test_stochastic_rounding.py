@@ -287,6 +287,7 @@ def _exact_moves(fmt, y, bits, resolution):
     return jnp.copysign((lo + (j <= (v - lo) * 2.0**resolution)) * step, y)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "defect",
     [_nearest, _always_down, _naive_sum, _eight_bits, _three_percent, _exact_moves],
@@ -500,6 +501,7 @@ class _Biased(eqxrules.FloatQuantize):
         return _three_percent(fmt, u, bits, RESOLUTION) * self.scale
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("defect", [_FixedKey, _Biased])
 def test_planted_defects_fail_the_mean(defect):
     rule = defect(format="e2m1", scale=3.0, rounding="stochastic")

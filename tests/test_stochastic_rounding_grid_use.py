@@ -141,6 +141,7 @@ def _mean_input(rule):
     return jnp.asarray(x)
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", RULES[:4:3] + RULES[4:5], ids=lambda r: repr(r))
 def test_the_mean_over_keys_is_the_input(rule):
@@ -165,6 +166,7 @@ class _Floor(eqxrules.SteQuantize):
         return self.lo + jnp.floor(v + u + 0.03) * ((self.hi - self.lo) / n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("defect", [_Nearest, _Floor])
 def test_planted_defects_fail_the_mean(defect):
     rule = defect(bits=3, lo=-0.3, hi=0.7, rounding="stochastic")

@@ -138,6 +138,7 @@ def test_at_24_bits_the_decision_sits_at_the_threshold():
         assert np.array_equal(q, want), x[q != want][:5]
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("defect", [_old, _signed_floor, _nearest])
 def test_planted_defects_fail_the_count(defect):
     with pytest.raises(AssertionError):
@@ -147,6 +148,7 @@ def test_planted_defects_fail_the_count(defect):
             check_counts(defect, _adversarial(), RESOLUTION)
 
 
+@pytest.mark.slow
 def test_the_old_formula_was_biased_and_the_mean_is_now_the_input():
     """The issue's numbers: at 2^21 + 1/4, over 200,000 keys, 0.2.0's mean was
     0.375 above the floor; now it is 1/4 (within 5 standard deviations)."""

@@ -111,6 +111,7 @@ def check_draws(rule, x):
     assert not np.array_equal(mapped[0], mapped[1]), "split keys, same draw"
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("rule", SR_RULES, ids=lambda r: r.rule_name())
 def test_same_key_same_draw_other_key_other_draw(rule):

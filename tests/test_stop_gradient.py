@@ -128,6 +128,7 @@ def test_frozen_call_flows_in_x_not_in_parameters():
     )
 
 
+@pytest.mark.slow
 def test_frozen_call_forward_mode():
     mlp = _mlp()
     params, static = _split(mlp)
@@ -199,6 +200,7 @@ def _frozen_and_plain_input_gradients(x):
     return rule, plain
 
 
+@pytest.mark.slow
 @given(data=st.data())
 def test_frozen_call_input_gradient_is_the_true_one(data):
     x = data.draw(strategies.arrays(eqxrules.Frozen.domain))
@@ -295,6 +297,7 @@ def test_standardize_value_and_derivative(axis):
     np.testing.assert_allclose(t_out, np.asarray(ct) / denominator, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_standardize_gradient_differs_from_plain_autodiff():
     x = jnp.array([1.0, 2.0, 4.0])
     rule = jax.grad(lambda x: eqxrules.standardize(x)[0])(x)

@@ -155,6 +155,7 @@ def test_ste_quantize_two_bits_on_boundaries_and_ties():
     assert_rule(lambda x: eqxrules.ste_quantize(x, bits=2), x, value, slope)
 
 
+@pytest.mark.slow
 def test_ste_quantize_defaults_have_256_levels_from_lo_to_hi():
     x = jnp.linspace(-1.5, 1.5, 2001)
     q = np.asarray(eqxrules.ste_quantize(x), np.float64)
@@ -182,6 +183,7 @@ def test_dorefa_on_boundaries():
     assert_rule(lambda x: eqxrules.dorefa_quantize(x, bits=1), x, value_1bit, slope)
 
 
+@pytest.mark.slow
 def test_stochastic_round_slope_is_one():
     def f(x):
         return eqxrules.stochastic_round(x, jax.random.key(3))
@@ -235,6 +237,7 @@ def _softmax(z, axis):
     return e / e.sum(axis=axis, keepdims=True)
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_straight_through_onehot_value_and_softmax_derivative(axis):
@@ -313,6 +316,7 @@ finite = st.floats(-4.0, 4.0, allow_nan=False, width=32)
 clips = st.one_of(st.floats(0.0, 3.0, width=32), st.sampled_from([0.0, 0.5, 1.0]))
 
 
+@pytest.mark.slow
 @given(xs=st.lists(finite, min_size=8, max_size=8), c=clips)
 def test_ste_sign_property(xs, c):
     x = np.asarray(xs + [c, -c], np.float32)  # a fixed shape: no recompiles
@@ -331,6 +335,7 @@ def test_approx_sign_property(xs):
     np.testing.assert_allclose(rev, np.where(a <= 1, 2 - 2 * a, 0), atol=1e-6)
 
 
+@pytest.mark.slow
 @given(
     xs=st.lists(finite, min_size=8, max_size=8),
     bits=st.integers(1, 8),
@@ -440,6 +445,7 @@ def _values_and_grads(x):
     return {name: (f(x), grad(f)) for name, f in CALLS.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_stays_low_precision(dtype):

@@ -16,6 +16,9 @@ import eqxrules
 from benchmarks.sections.unbiased import exact_rate
 from eqxrules.testing import UnbiasedCheckError, check_unbiased
 
+# Many draws each: the slow tier (`tests/test_unbiased.py` keeps a quick check).
+pytestmark = pytest.mark.slow
+
 
 def _shifted_round(x, key):
     """Planted: `floor(x + 0.1 + 0.9 u)`, a random offset that misses `[0, 0.1)`:

@@ -57,6 +57,7 @@ def test_nan_where_the_reference_is_finite_still_fails_with_any():
         check_rule(wrong, X, derivative=_reference, where_reference_nan="any")
 
 
+@pytest.mark.slow
 def test_a_zero_cotangent_may_give_nan_only_where_the_reference_does():
     # cbrt's derivative is inf at 0: 0 · inf = NaN for rule and reference alike.
     @jax.custom_jvp
@@ -99,6 +100,7 @@ def _forward(key):
     return lambda x: x + noise
 
 
+@pytest.mark.slow
 def test_a_closed_over_key_is_part_of_the_program(monkeypatch):
     x = jnp.array([0.5, -1.0, 2.0, 0.25])
     k1, k2 = jax.random.key(1), jax.random.key(2)

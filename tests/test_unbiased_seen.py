@@ -76,6 +76,7 @@ def test_correct_rounding_passes_without_neighbours(name):
     assert report.detectable < 0.015
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _formats())
 def test_correct_rounding_passes_with_bounds_whatever_x(name):
     # Any P(up), in (0, 1), and representable values: `bounds` (the format's
@@ -109,6 +110,7 @@ def test_without_neighbours_the_statistic_is_that_with_neighbours():
 # What fails without neighbours
 
 
+@pytest.mark.slow
 def test_a_third_value_fails():
     # Planted: a rounding that draws one below its lower neighbour once in 1000
     # draws; and one that draws NaN. No correct rounding draws either.
@@ -150,6 +152,7 @@ def test_one_value_other_than_x_fails_without_bounds():
     assert "outside `bounds`" in out.detail and out.stray_draws > 0
 
 
+@pytest.mark.slow
 def test_an_x_near_a_neighbour_needs_bounds():
     # The docstring's assumption, shown: eight x at 2^-20 of the gap above an
     # integer draw that integer in all 10,000 draws with probability
@@ -168,6 +171,7 @@ def test_an_x_near_a_neighbour_needs_bounds():
 # The planted defects of the low-precision issue, caught without neighbours
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("defect", DEFECTS)
 @pytest.mark.parametrize("name", _formats())
 def test_planted_defects_are_caught_without_neighbours(name, defect):
@@ -182,6 +186,7 @@ def test_planted_defects_are_caught_without_neighbours(name, defect):
     assert report.p_value < RATE or report.stray_draws > 0
 
 
+@pytest.mark.slow
 def test_wide_bounds_say_where_they_cannot_see():
     # With bounds as wide as E4M3's range, an element near 0 that draws one value
     # is chance (the other neighbour might be 448 away): rounding to nearest is
@@ -243,6 +248,7 @@ def test_the_draws_for_a_1pc_bias_are_the_documented_ones():
     assert detectable_bias(one, 0.5) <= 0.01 < detectable_bias(one - 1, 0.5)
 
 
+@pytest.mark.slow
 def test_the_catalogue_rounding_passes_without_neighbours():
     # A real rule, as the README checks it: E2M1 stochastic rounding, x away from
     # its neighbours (P(up) in [0.001, 0.999]) and representable values.
@@ -259,6 +265,7 @@ def test_the_catalogue_rounding_passes_without_neighbours():
     assert report.passed and report.elements == 256
 
 
+@pytest.mark.slow
 def test_the_docstring_example_runs():
     # Without `neighbours`, x exactly on integers (not linspace's near-integers,
     # which would need `bounds`); false-fail rate 1e-6.
