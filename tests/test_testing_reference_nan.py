@@ -122,6 +122,7 @@ def test_a_closed_over_key_is_part_of_the_program(monkeypatch):
 
     monkeypatch.setattr(_programs, "_digest", blind)
     k3 = jax.random.key(3)
-    check_rule(_keyed(k2), x, forward=_forward(k2), checks=("primal", "jit"))
+    # (No `forward`: its constants, key 3's noise, would tell the programs apart.)
+    check_rule(_keyed(k2), x, checks=("jit",))
     with pytest.raises(RuleCheckError, match="check `jit` failed"):
-        check_rule(_keyed(k3), x, forward=_forward(k3), checks=("primal", "jit"))
+        check_rule(_keyed(k3), x, checks=("jit",))

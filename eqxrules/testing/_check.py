@@ -4,12 +4,14 @@ Each check is a small function over the same prepared problem (`_checks.TABLE`,
 `_problem._Problem`); each reports separately, and a rule that raises inside a check
 fails that check only.
 
-Speed: compiling dominates a check, so the problem computes nothing a selected
-check does not use; random tangents and cotangents are drawn, and the checks' own
-arithmetic (perturbed points, linear combinations, comparisons) done, in NumPy on
-the host, never as eager JAX operations (each of which compiles a program per leaf
-shape). Only the rule and its references run as compiled programs, each built once
-per call and shared by the checks that need it (`_programs`).
+Speed: compiling dominates a check. The rule's and the references' value and
+derivatives at the point are one compiled program (`_core`), shared by the checks
+that read them and reused by a later call at the same shapes; random tangents and
+cotangents are drawn, and the checks' own arithmetic (perturbed points, linear
+combinations, comparisons) done, in NumPy on the host, never as eager JAX
+operations (each of which compiles a program per leaf shape). Only the rule and its
+references run as compiled programs, each built once per call and shared by the
+checks that need it (`_programs`).
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ def _run(
     else:
         setup_error = None
         problem.unchecked_nan = options.unchecked_nan
+        problem.options = (options, selected)
     setup_seconds = time.perf_counter() - start
 
     results: list[CheckResult] = []

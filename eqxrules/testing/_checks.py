@@ -43,7 +43,7 @@ _BATCH = 3
 
 def _check_primal(p: _Problem, o: _Options) -> dict[str, Any] | str:
     assert p.forward is not None
-    return p.compare(p.out, p.forward(*p.args), "out", reference=True)
+    return p.compare(p.f_jit(p.diff), p.forward_jit(p.diff), "out", reference=True)
 
 
 def _check_jvp(p: _Problem, o: _Options) -> dict[str, Any] | str:
@@ -169,14 +169,25 @@ def _check_batching(p: _Problem, o: _Options) -> dict[str, Any] | str:
     ts = [p.t] + [_random_like(rng, p.diff) for _ in range(1, _BATCH)]
     D, CT, T = _stack(ds), _stack(cts), _stack(ts)
 
-    batched_vjp = _programs.jit(
-        jax.vmap(lambda d, ct: p.vjp(d, _restore_float0(ct, p.ct)))
-    )(D, CT)
+    def vjp(d: Any, ct: Any) -> Any:
+        return p.vjp(d, _restore_float0(ct, p.ct))
+
+    forward = "fwd" in o.modes and p.forward_mode()
+    both = None
+    if forward:
+        # One program for both modes (compiling dominates); apart if it raises.
+        try:
+            both = _programs.jit(jax.vmap(lambda d, ct, t: (vjp(d, ct), p.jvp(d, t))))(
+                D, CT, T
+            )
+        except Exception:
+            both = None
+    batched_vjp = _programs.jit(jax.vmap(vjp))(D, CT) if both is None else both[0]
     looped = _stack([p.vjp_jit(d, _restore_float0(c, p.ct)) for d, c in zip(ds, cts)])
     worst = p.compare_args(batched_vjp, looped, "vmap(vjp)({})", point=D)
-    if "fwd" in o.modes and p.forward_mode():
+    if forward:
         looped = _stack([p.jvp_jit(d, t) for d, t in zip(ds, ts)])
-        batched_jvp = _programs.jit(jax.vmap(p.jvp))(D, T)
+        batched_jvp = _programs.jit(jax.vmap(p.jvp))(D, T) if both is None else both[1]
         p.compare(
             jtu.tree_map(_float_or_none, batched_jvp),
             jtu.tree_map(_float_or_none, looped),
@@ -199,7 +210,7 @@ def _restore_float0(tree: Any, like: Any) -> Any:
 
 
 def _check_jit(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    worst = p.compare(_programs.jit(p.f)(p.diff), p.out, "jit(out)")
+    worst = p.compare(p.f_jit(p.diff), p.out, "jit(out)")
     p.compare_args(p.rule_vjp, p.vjp(p.diff, p.ct), "jit(vjp)({})")
     return worst
 
@@ -277,37 +288,17 @@ def _check_dtype(p: _Problem, o: _Options) -> dict[str, Any] | str:
 
 
 def _check_second_order(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    def through_forward(d: Any, ct: Any) -> Any:
-        forward = p.forward
-        assert forward is not None
-        return p.vjp(d, ct, lambda d: forward(*p.combine(d)))
-
-    reference = p.reference_cotangent if p.has_reference else through_forward
-
-    def jvp_of_vjp(vjp: Callable[[Any, Any], Any]) -> Callable[..., Any]:
-        return _programs.jit(
-            lambda d, ct, t: jax.jvp(lambda d: vjp(d, ct), (d,), (t,))[1]
-        )
-
-    def vjp_of_vjp(vjp: Callable[[Any, Any], Any]) -> Callable[..., Any]:
-        def program(d: Any, ct: Any, u: Any) -> Any:
-            _, pullback = jax.vjp(lambda d: vjp(d, ct), d)
-            return pullback(u)[0]
-
-        return _programs.jit(program)
-
     worst: dict[str, Any] = {}
     if "fwd" in o.modes and p.forward_mode() is not False:
-        expected = jvp_of_vjp(reference)(p.diff, p.ct, p.t)
+        expected = p.second_order_jit("reference_jvp_of_vjp")(p.diff, p.ct, p.t)
         with _where("JVP of VJP"):
-            actual = jvp_of_vjp(p.vjp)(p.diff, p.ct, p.t)
+            actual = p.second_order_jit("jvp_of_vjp")(p.diff, p.ct, p.t)
             worst = p.compare_args(
                 actual, expected, "jvp(vjp)({})", check_dtype=False, reference=True
             )
-    u = _random_like(p.rng("ct2"), p.diff)
-    expected = vjp_of_vjp(reference)(p.diff, p.ct, u)
+    expected = p.second_order_jit("reference_vjp_of_vjp")(p.diff, p.ct, p.u)
     with _where("VJP of VJP"):
-        actual = vjp_of_vjp(p.vjp)(p.diff, p.ct, u)
+        actual = p.second_order_jit("vjp_of_vjp")(p.diff, p.ct, p.u)
         figures = p.compare_args(
             actual, expected, "vjp(vjp)({})", check_dtype=False, reference=True
         )

@@ -46,8 +46,26 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
         through_jvp = "fwd" in o.modes and (
             "rev" not in o.modes or p.forward_mode(jvp, d, d) is True
         )
+        ct = None
+        if not through_jvp:
+            ct = _device(
+                jtu.tree_map(
+                    lambda x: (
+                        np.asarray(x).astype(wide) if eqx.is_inexact_array(x) else x
+                    ),
+                    p.ct,
+                )
+            )
+
+        def at_once(d: Any, v: Any, step: Any, ct: Any) -> Any:
+            derivative = p.jvp(d, v) if through_jvp else p.vjp(d, ct)
+            return f_at(d, v, step), f_at(d, v, -step), derivative
+
+        # The two points and the derivative in one program (compiling dominates);
+        # apart if it raises, so that an exception is named where it came from.
+        together: Any = _programs.jit(at_once)
         rng = p.rng("fd")
-        ct = ct_vjp = None
+        ct_vjp = None
         for _ in range(o.num_directions):
             v = [
                 rng.standard_normal(np.shape(x), dtype=np.float32).astype(wide)
@@ -57,8 +75,15 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
             v = _device(
                 jtu.tree_unflatten(jtu.tree_structure(d), [x / norm for x in v])
             )
-            plus = f(d, v, np.asarray(eps, wide))
-            minus = f(d, v, np.asarray(-eps, wide))
+            step = np.asarray(eps, wide)
+            derivative = plus = minus = None
+            if together is not None:
+                try:
+                    plus, minus, derivative = together(d, v, step, ct)
+                except Exception:
+                    together = None
+            if together is None:
+                plus, minus = f(d, v, step), f(d, v, -step)
             fd = jtu.tree_map(
                 lambda a, b: (
                     (np.asarray(a) - np.asarray(b)) / (2 * eps)
@@ -72,7 +97,9 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 with _where(
                     "the JVP along a random unit v against central differences"
                 ):
-                    jv = jtu.tree_map(_float_or_none, jvp(d, v))
+                    jv = jtu.tree_map(
+                        _float_or_none, jvp(d, v) if derivative is None else derivative
+                    )
                     worst = p.compare(
                         jv,
                         fd,
@@ -84,16 +111,8 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
                         check_dtype=False,
                     )
                 continue
-            if ct is None:
-                ct = _device(
-                    jtu.tree_map(
-                        lambda x: (
-                            np.asarray(x).astype(wide) if eqx.is_inexact_array(x) else x
-                        ),
-                        p.ct,
-                    )
-                )
-                ct_vjp = vjp(d, ct)
+            if ct_vjp is None:
+                ct_vjp = vjp(d, ct) if derivative is None else derivative
             lhs, s1 = _vdot(ct, fd)
             rhs, s2 = _vdot(ct_vjp, v)
             holds, worst = _identity(

@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
-from . import _programs
+from . import _core, _programs
 from ._compare import (
     Inputs,
     KeyPath,
@@ -33,6 +33,7 @@ from ._compare import (
     _lowest_precision,
     _scalar,
 )
+from ._core import _is_reverse_only_error, _Part
 
 
 def _entropy(key: PRNGKeyArray | None) -> list[int]:
@@ -89,14 +90,6 @@ def _fill(tree: Any, like: Any) -> Any:
         return t
 
     return jtu.tree_map(fill, like, tree, is_leaf=_is_none)
-
-
-def _is_reverse_only_error(e: BaseException) -> bool:
-    msg = str(e)
-    return (
-        "can't apply forward-mode autodiff" in msg
-        or "supports reverse mode only" in msg
-    )
 
 
 def _arg_names(fn: Callable[..., Any], n: int) -> tuple[str, ...]:
@@ -299,10 +292,12 @@ class _Problem:
         lowering (not compiling) a JVP program: `jvp` at `args` if given (one a
         check is about to run anyway), else the rule's at the point. JAX reports
         forward mode through a `custom_vjp` under `jit` only when lowering."""
+        if not self.forward_mode_known and jvp is None and self.uses_core():
+            self._core  # noqa: B018  (building the core finds it out, if it can)
         if not self.forward_mode_known:
             if jvp is None:
                 # The point stands in for the tangent: only shapes matter here.
-                jvp, args = self.jvp_jit, (self.diff, self.diff)
+                jvp, args = _programs.jit(self.jvp), (self.diff, self.diff)
             try:
                 jvp.lower(*args)
             except Exception as e:
@@ -337,20 +332,65 @@ class _Problem:
 
     # Each compiled program is built once per problem and shared by the checks.
     @ft.cached_property
-    def jvp_jit(self) -> _programs.Program:
-        return _programs.jit(self.jvp)
+    def jvp_jit(self) -> Callable[..., Any]:
+        return _Part(self, "jvp", self.jvp)
 
     @ft.cached_property
     def vjp_jit(self) -> Callable[..., Any]:
-        return _programs.jit(self.vjp)
+        return _Part(self, "vjp", self.vjp)
 
     @ft.cached_property
     def reference_jvp_jit(self) -> Callable[..., Any]:
-        return _programs.jit(ft.partial(self.jvp, fn=self.g))
+        return _Part(self, "reference_jvp", ft.partial(self.jvp, fn=self.g))
 
     @ft.cached_property
     def reference_vjp_jit(self) -> Callable[..., Any]:
-        return _programs.jit(self.reference_cotangent)
+        return _Part(self, "reference_vjp", self.reference_cotangent)
+
+    @ft.cached_property
+    def f_jit(self) -> Callable[..., Any]:
+        return _Part(self, "out", self.f)
+
+    def forward_at(self, d: Any) -> Any:
+        assert self.forward is not None
+        return self.forward(*self.combine(d))
+
+    @ft.cached_property
+    def forward_jit(self) -> Callable[..., Any]:
+        """The `forward` reference at `d`: jitted in the core, else evaluated
+        eagerly (a reference may be written in NumPy, on concrete values)."""
+        return _Part(self, "forward", self.forward_at, eager=True)
+
+    _forward_traceable = True
+    """Whether the core may trace the `forward` reference (until it fails to)."""
+
+    @ft.cached_property
+    def u(self) -> Any:
+        """The second cotangent, for the VJP of the VJP."""
+        return _random_like(self.rng("ct2"), self.diff)
+
+    def second_order_jit(self, part: str) -> Callable[..., Any]:
+        """`part` of the second derivatives (`_core.second_order`)."""
+        return _core.second_order(self, part)
+
+    # The core: one program for every part above, at `(d, t, ct, u)`.
+    options: Any = None
+    """The call's `_Options` and selected checks (`(options, selected)`), set by
+    `_run`: which second derivatives the core computes."""
+
+    _core_names: frozenset[str] = frozenset()
+    """The parts the core computes."""
+
+    def uses_core(self) -> bool:
+        """Whether a selected check reads a part of the core."""
+        _, selected = self.options or (None, frozenset())
+        return bool(_core.needed(selected))
+
+    @ft.cached_property
+    def _core(self) -> _programs.Program | None:
+        """One program for the rule's and the references' value, first derivatives
+        and (with `order=2`) second derivatives (`_core.build`)."""
+        return _core.build(self)
 
     @ft.cached_property
     def _rule_jvp(self) -> tuple[Any, BaseException | None]:
