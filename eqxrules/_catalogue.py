@@ -383,6 +383,16 @@ class PytreeRule(JVPRule):
         return eqx.combine(super().__call__(arrays, key=key, **kwargs), other)
 
 
+def _as_arrays(args: Sequence[Any]) -> list[Any]:
+    """`args` with each Python float (`jax.grad` of a Python float hands the rule
+    JAX's own float subclass, with a `dtype` and no `astype`) as the 0-d array it
+    stands for, so that a rule's maths sees arrays only."""
+    return [
+        jnp.asarray(a, getattr(a, "dtype", None)) if isinstance(a, float) else a
+        for a in args
+    ]
+
+
 @eqx.filter_custom_jvp
 def apply_jvp_rule(rule: JVPRule, *args: Any, **kwargs: Any) -> Any:
     """The module-level `eqx.filter_custom_jvp` function every `JVPRule` calls."""
@@ -393,6 +403,7 @@ def apply_jvp_rule(rule: JVPRule, *args: Any, **kwargs: Any) -> Any:
 def _apply_jvp_rule_jvp(primals, tangents, **kwargs):
     rule, *args = primals
     t_rule, *t_args = tangents
+    args = _as_arrays(args)
     # The value through the custom function itself, not `rule.primal`: a derivative
     # of this JVP (second order) then goes through the rule again, instead of
     # differentiating `primal` with plain autodiff.
@@ -414,12 +425,13 @@ def apply_vjp_rule(rule_and_args: tuple[VJPRule, tuple[Any, ...]], **kwargs: Any
 def _apply_vjp_rule_fwd(perturbed, rule_and_args, **kwargs):
     del perturbed
     rule, args = rule_and_args
-    return rule.fwd(*args, **kwargs)
+    return rule.fwd(*_as_arrays(args), **kwargs)
 
 
 @apply_vjp_rule.def_bwd
 def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs):
     rule, args = rule_and_args
+    args = tuple(_as_arrays(args))
     _, perturbed_args = perturbed
     ct_args = rule.bwd(residuals, cotangent, args, **kwargs)
     # JAX lets a bfloat16 primal receive a float32 cotangent; we do not. Under

@@ -97,18 +97,28 @@ def _zeros(jac: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     return zero_diag & ~live.any(axis=0), zero_diag & ~live.any(axis=1), not live.any()
 
 
-def _reference_zeros(rule, xs, kw, ct):
-    """Per probe (the rows of `xs`): columns and rows that are zero, and whether the
-    rule's derivative is one per element; for a rule with `reference_vjp`, the
-    zeros of the reference cotangent for the finite `ct` (its backward is not a
-    Jacobian)."""
-    if type(rule).reference_vjp is not eqxrules.Rule.reference_vjp:
-        cts = jax.vmap(lambda x: rule.reference_vjp(ct, x, **kw)[1])(xs)
-        return [(_flat(c) == 0, None, False) for c in _unstack(cts, len(xs))]
-    jac = jax.jit(jax.vmap(jax.jacfwd(lambda x: rule.reference_derivative(x, **kw))))
+def _has_reference_vjp(rule) -> bool:
+    return type(rule).reference_vjp is not eqxrules.Rule.reference_vjp
+
+
+def _reference(rule, kw, ct):
+    """`xs ↦` per probe (the rows of `xs`), the reference's Jacobian, or, for a rule
+    with `reference_vjp` (its backward is not a Jacobian), its cotangent for the
+    finite `ct`."""
+    if _has_reference_vjp(rule):
+        return jax.vmap(lambda x: rule.reference_vjp(ct, x, **kw)[1])
+    return jax.vmap(jax.jacfwd(lambda x: rule.reference_derivative(x, **kw)))
+
+
+def _reference_zeros(rule, xs, reference):
+    """Per probe: columns and rows that are zero, and whether the rule's derivative
+    is one per element; for a rule with `reference_vjp`, the zeros of its
+    cotangent."""
+    if _has_reference_vjp(rule):
+        return [(_flat(c) == 0, None, False) for c in _unstack(reference, len(xs))]
     n = xs[0].size
     out = []
-    for j in _unstack(jac(xs), len(xs)):
+    for j in _unstack(reference, len(xs)):
         rows = [np.asarray(a, np.float32).reshape(-1, n) for a in jtu.tree_leaves(j)]
         out.append(_zeros(np.concatenate(rows)))
     return out
@@ -145,13 +155,19 @@ def non_zeros(rule, forward_mode: bool, dtype: str, ways=("eager", "jit")) -> li
     kw = rule.call_kwargs(CALL_KEY)
     xs = jnp.asarray(np.stack(_probes(rule, dtype)))
     ct_finite = _flows(jax.eval_shape(lambda x: rule(x, **kw), xs[0]))[FINITE]
-    zeros = _reference_zeros(rule, xs, kw, ct_finite)
+    reference = _reference(rule, kw, ct_finite)
     strict = _own_maths(rule)
     run = jax.vmap(_flows_through(rule, forward_mode))
-    runs = {"eager": run, "jit": jax.jit(run)}
+    # Jitted, the reference and the flows are one program (compiling dominates).
+    both = jax.jit(lambda xs: (reference(xs), run(xs)))
+    zeros = None
     found = []
     for how in ways:
-        flows = runs[how](xs)
+        if how == "jit":
+            ref, flows = both(xs)
+        else:
+            ref, flows = (None if zeros else jax.jit(reference)(xs)), run(xs)
+        zeros = zeros or _reference_zeros(rule, xs, ref)
         for i, (cts, ts) in enumerate(_unstack(flows, len(xs))):
             cols, rows, diagonal = zeros[i]
             x = np.asarray(xs[i], np.float32).reshape(-1)[[0, -1]]
