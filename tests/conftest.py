@@ -141,7 +141,10 @@ def load_example():
 # versions), `@pytest.mark.slow` on a slow test, a slow parameter's
 # `pytest.param(..., marks=pytest.mark.slow)`, and `@pytest.mark.first_case_quick`
 # on a parametrised test whose first case alone stays quick (so that each check
-# and its planted defect run in both tiers). One policy needs no mark: every
+# and its planted defect run in both tiers), or `@pytest.mark.first_entry_quick` on a
+# property test over the catalogue whose first case alone stays quick, the others
+# slow but not `later` (each entry's first example still runs at the minimum
+# versions, where the module is marked `catalogue_wide`). One policy needs no mark: every
 # example of a catalogue entry after its first, in a test parametrised by `entry`
 # and `index`, is slow (the first example of every entry stays quick).
 #
@@ -159,6 +162,7 @@ def _is_later_example(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
     seen: set[tuple[str, str]] = set()
+    seen_entry: set[tuple[str, str]] = set()
     for item in items:
         test = (item.path.name, getattr(item, "originalname", item.name))
         later_case = item.get_closest_marker("first_case_quick") is not None and (
@@ -166,6 +170,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
         seen.add(test)
         own_slow = any(m.name == "slow" for m in item.own_markers)
+        if item.get_closest_marker("first_entry_quick") is not None and (
+            test in seen_entry
+        ):
+            # A later entry: slow, and still run at the minimum versions.
+            item.add_marker(pytest.mark.slow)
+        seen_entry.add(test)
         if _is_later_example(item) or later_case:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.later)

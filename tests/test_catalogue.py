@@ -246,6 +246,8 @@ def _jitted_pair(entry, index):
     return jax.jit(both), rule
 
 
+@pytest.mark.catalogue_wide
+@pytest.mark.first_entry_quick
 @pytest.mark.parametrize("entry,index", CASES)
 @given(data=st.data())
 def test_entry_matches_reference_on_random_inputs(entry, index, data):
@@ -366,6 +368,8 @@ def _value_mismatches(rule, dtype) -> int:
     return int(np.sum(~ok))
 
 
+@pytest.mark.catalogue_wide
+@pytest.mark.first_entry_quick
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("entry,index", ELEMENTWISE_CASES)
 def test_elementwise_value_matches_reference_on_every_bit_pattern(entry, index, dtype):

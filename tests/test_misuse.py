@@ -236,6 +236,8 @@ def _positional_matches_keywords(function: Any, entry: eqxrules.Entry) -> None:
         _assert_same(actual, expected, f"{entry.name} by position")
 
 
+@pytest.mark.catalogue_wide
+@pytest.mark.first_entry_quick
 @pytest.mark.parametrize("entry", BY_POSITION, ids=lambda e: e.name)
 def test_hyperparameters_by_position_are_the_keywords(entry):
     """A hyperparameter declared `positional=True` (0.1.0's calling convention,

@@ -206,6 +206,7 @@ NONFINITE_CASES = [
 ]
 
 
+@pytest.mark.first_entry_quick
 @pytest.mark.parametrize("entry,index,dtype,how", NONFINITE_CASES)
 def test_zero_derivative_stays_zero_beside_non_finite_values(entry, index, dtype, how):
     rule = _example(entry, index)
