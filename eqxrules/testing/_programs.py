@@ -114,6 +114,16 @@ def _fingerprint(traced: Any, signature: tuple[Any, ...]) -> tuple[Any, ...] | N
     )
 
 
+def _compiler_options() -> dict[str, Any]:
+    """On the CPU, XLA's LLVM back end unoptimised (XLA's own passes still run):
+    a checker's programs are small and run a few times, and compile in about half
+    the time (verifying every entry's first example: 41 s against 46 s). As the
+    test matrix does (`tests/matrix/harness.py`); the whole suite runs with it."""
+    if jax.default_backend() == "cpu":
+        return {"xla_backend_optimization_level": 0}
+    return {}
+
+
 class Program:
     def __init__(self, fun: Callable[..., Any]) -> None:
         self._jitted = jax.jit(fun)
@@ -146,7 +156,8 @@ class Program:
         signature, _, compiled = self._find(args)
         if compiled is None:
             lowered, key, jaxpr = self._lowered.pop(signature)
-            compiled = self._compiled[signature] = lowered.compile()
+            compiled = lowered.compile(_compiler_options())
+            self._compiled[signature] = compiled
             if key is not None:
                 _cache[key] = (compiled, jaxpr)
                 while len(_cache) > _CACHE_SIZE:
