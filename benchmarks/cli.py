@@ -45,6 +45,35 @@ def _entries(names: str | None) -> list[Any]:
     return entries
 
 
+def merge_rows(
+    section: str,
+    saved: dict[str, Any],
+    figures: dict[str, Any],
+    measured: dict[str, Any],
+    entries: Sequence[Any],
+) -> dict[str, Any]:
+    """`--merge --rules ...`: the saved figures of `section` with the rows of the
+    rules run now replaced (a section of one row per example, each row comparing a
+    rule with its hand-written baseline in the same run). The section keeps its
+    own `measured` stamp; this run's is appended to `remeasured` with the rules it
+    re-measured, and the report says which rows are of which run. A rule added to
+    the catalogue is measured this way without re-measuring the others."""
+    names = [e.name for e in entries]
+    if set(figures) != {"rows"} or set(saved) - {"rows", "measured", "remeasured"}:
+        raise SystemExit(
+            f"`--rules` with `--merge`: section {section!r} is not one row per rule "
+            "example; run it without `--rules`"
+        )
+    order = [e.name for e in eqxrules.catalogue()]
+    kept = [r for r in saved["rows"] if r["entry"] not in names]
+    rows = sorted(
+        [*kept, *figures["rows"]],
+        key=lambda r: order.index(r["entry"]) if r["entry"] in order else len(order),
+    )
+    stamp = dict(measured, rules=names)
+    return dict(saved, rows=rows, remeasured=[*saved.get("remeasured", []), stamp])
+
+
 def _binariser(name: str) -> Any:
     by_name = {e.name: e for e in eqxrules.catalogue()}
     if name not in by_name:
@@ -149,9 +178,15 @@ def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
             load=[os.getloadavg()[0]],
         )
         section_job = dataclasses.replace(job, previous=results.get(section))
-        results[section] = BY_NAME[section].run(section_job)
+        figures = BY_NAME[section].run(section_job)
         measured["load"].append(os.getloadavg()[0])
-        results[section]["measured"] = measured
+        if args.rules and args.merge and section in results:
+            results[section] = merge_rows(
+                section, results[section], figures, measured, job.entries
+            )
+        else:
+            results[section] = figures
+            results[section]["measured"] = measured
     seconds = time.perf_counter() - started
     out.write_text(render(results))
     log(f"wrote {out} in {seconds:.0f}s")

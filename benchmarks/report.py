@@ -57,6 +57,17 @@ def measured(res: dict[str, Any]) -> str:
         before=m["load"][0],
         after=m["load"][1],
     )
+    for r in res.get("remeasured", []):
+        (again,) = fill(
+            "report",
+            "remeasured",
+            m=r,
+            rules=", ".join(f"`{name}`" for name in r["rules"]),
+            commit=f" on commit `{r['code']}`" if "code" in r else "",
+            before=r["load"][0],
+            after=r["load"][1],
+        )
+        line += " " + again
     return line + "\n\n"
 
 

@@ -260,6 +260,40 @@ def test_catalogue_check_catches_a_report_of_another_catalogue():
     assert any(p.startswith("suite:") and "'23/23 rules passed" in p for p in problems)
 
 
+def test_a_rule_added_is_measured_without_re_measuring_the_others():
+    """`python -m benchmarks --merge --only overhead --rules NAME`: the saved rows
+    of the other rules are kept, the named rule's replaced, in catalogue order; the
+    section keeps its stamp and the report names the rows measured again. Planted
+    defects: a section that is not one row per rule is refused, and a section
+    missing a rule still fails the catalogue check."""
+    from benchmarks.cli import merge_rows, render
+
+    results = _results()
+    saved = copy.deepcopy(results["overhead"])
+    first = next(e for e in eqxrules.catalogue() if e.name == saved["rows"][0]["entry"])
+    new_rows = [
+        dict(r, notes="again") for r in saved["rows"] if r["entry"] == first.name
+    ]
+    stamp = dict(saved["measured"], date="2026-11-27 04:00 UTC", code="abc1234")
+    merged = merge_rows("overhead", saved, {"rows": new_rows}, stamp, [first])
+    assert merged["measured"] == saved["measured"]
+    assert [r["entry"] for r in merged["rows"]] == [r["entry"] for r in saved["rows"]]
+    assert [r for r in merged["rows"] if r.get("notes") == "again"] == new_rows
+    assert merged["remeasured"][-1]["rules"] == [first.name]
+    results["overhead"] = merged
+    assert f"The rows of `{first.name}` were measured again 2026-11-27" in render(
+        results
+    )
+    # A rule missing from the saved rows (a new rule) is added in catalogue order.
+    missing = dict(saved, rows=[r for r in saved["rows"] if r["entry"] != first.name])
+    assert catalogue_disagreements({**results, "overhead": missing})
+    merged = merge_rows("overhead", missing, {"rows": new_rows}, stamp, [first])
+    assert merged["rows"][: len(new_rows)] == new_rows
+    assert catalogue_disagreements({**results, "overhead": merged}) == []
+    with pytest.raises(SystemExit, match="not one row per rule"):
+        merge_rows("unbiased", results["unbiased"], results["unbiased"], stamp, [first])
+
+
 def test_check_unbiased_example_runs_and_catches_a_10pc_bias():
     """The "Stochastic rounding" example: a correct E2M1 rounding passes (false-fail
     rate 1e-6) and one rounding up 10% of the gap too often fails (it is more than
