@@ -70,7 +70,8 @@ def merge_rows(
         [*kept, *figures["rows"]],
         key=lambda r: order.index(r["entry"]) if r["entry"] in order else len(order),
     )
-    stamp = dict(measured, rules=names)
+    machine = report.machine()
+    stamp = dict(measured, rules=names, cpu=machine["cpu"], cores=machine["cores"])
     return dict(saved, rows=rows, remeasured=[*saved.get("remeasured", []), stamp])
 
 
@@ -158,7 +159,10 @@ def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
         results = json.loads(json_path.read_text())
         if results.get("quick", False) != args.quick:
             raise SystemExit("`--merge`: the saved results are of the other size")
-    if not args.render:  # re-rendering measures nothing: the machine stays
+    # Re-rendering measures nothing, and re-measuring some rules' rows keeps the
+    # machine of the rest (their own machine is in their stamp): the machine stays.
+    partial = bool(args.rules and args.merge and results)
+    if not args.render and not partial:
         results.update(machine=report.machine(), quick=args.quick)
     job = Job(
         sizes=QUICK if args.quick else FULL,

@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import pathlib
 import re
 
@@ -280,6 +281,7 @@ def test_a_rule_added_is_measured_without_re_measuring_the_others():
     assert [r["entry"] for r in merged["rows"]] == [r["entry"] for r in saved["rows"]]
     assert [r for r in merged["rows"] if r.get("notes") == "again"] == new_rows
     assert merged["remeasured"][-1]["rules"] == [first.name]
+    assert merged["remeasured"][-1]["cores"] == os.cpu_count()
     results["overhead"] = merged
     assert f"The rows of `{first.name}` were measured again 2026-11-27" in render(
         results
