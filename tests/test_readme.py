@@ -229,7 +229,9 @@ def catalogue_disagreements(results: dict) -> list[str]:
                 problems.append(
                     f"{section}: measured {len(measured)} rules, not the catalogue's "
                     f"{len(names)} (differ: {sorted(measured ^ set(names))}; run "
-                    f"`python -m benchmarks --only {section} --merge` again)"
+                    f"`python -m benchmarks --only {section} --merge --all-examples "
+                    f"--rules {','.join(sorted(set(names) - measured)) or '...'}` for "
+                    "the rules it lacks, or without `--rules` for all)"
                 )
     cli = results["suite"]["cli"]["last_line"]
     m = re.match(r"(\d+)/(\d+) rules passed", cli)
