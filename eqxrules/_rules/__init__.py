@@ -17,6 +17,7 @@ from . import straight_through as straight_through
 from . import categorical as categorical
 from . import stop_gradient as stop_gradient
 from . import gradient as gradient
+from . import safe as safe
 from .._registry import library_names
 
 globals().update(library_names())

@@ -18,6 +18,7 @@ from .straight_through import StraightThrough as StraightThrough
 from .categorical import StraightThroughOneHot as StraightThroughOneHot, GumbelSoftmax as GumbelSoftmax
 from .stop_gradient import StopGradient as StopGradient, stop_gradient_call as stop_gradient_call, Frozen as Frozen, frozen_call as frozen_call, Detach as Detach, Standardize as Standardize
 from .gradient import GradientReversal as GradientReversal, GradientScale as GradientScale, ClipGradient as ClipGradient, ClipGradientNorm as ClipGradientNorm, ZeroNonFiniteGradient as ZeroNonFiniteGradient
+from .safe import SafeNorm as SafeNorm, SafeNormalize as SafeNormalize, SafeSqrt as SafeSqrt, SafeArccos as SafeArccos, SafeArcsin as SafeArcsin
 
 
 def ste_sign(x: Float[ArrayLike, '*shape'], clip_value: float | None = 1.0) -> Float[Array, '*shape']:
@@ -175,6 +176,36 @@ def zero_nonfinite_gradient(x: PyTree) -> PyTree:
 
 identity; NaN and inf cotangent entries become 0."""
 
+
+def safe_norm(x: Float[ArrayLike, '*shape'], axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Array:
+    """Functional form of [`SafeNorm`][]: `safe_norm(x, axis=None, keepdims=False)`.
+
+‖x‖ along `axis`; derivative `⟨x, t⟩/‖x‖`, 0 on a zero slice."""
+
+
+def safe_normalize(x: Float[ArrayLike, '*shape'], axis: int | tuple[int, ...] = -1) -> Float[Array, '*shape']:
+    """Functional form of [`SafeNormalize`][]: `safe_normalize(x, axis=-1)`.
+
+x/‖x‖ along `axis`; derivative `(t − y⟨y, t⟩)/‖x‖`, 0 on a zero slice."""
+
+
+def safe_sqrt(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:
+    """Functional form of [`SafeSqrt`][]: `safe_sqrt(x)`.
+
+√x; derivative `t/(2√x)`, 0 at x = 0; NaN for x < 0."""
+
+
+def safe_arccos(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:
+    """Functional form of [`SafeArccos`][]: `safe_arccos(x)`.
+
+arccos(x); derivative `−t/√(1 − x²)`, 0 at |x| = 1; |x| <= 1 + 4ε taken as ±1, NaN beyond."""
+
+
+def safe_arcsin(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:
+    """Functional form of [`SafeArcsin`][]: `safe_arcsin(x)`.
+
+arcsin(x); derivative `t/√(1 − x²)`, 0 at |x| = 1; |x| <= 1 + 4ε taken as ±1, NaN beyond."""
+
 __all__ = [
     "ScaledModel",
     "scaled_call",
@@ -234,4 +265,14 @@ __all__ = [
     "clip_gradient_norm",
     "ZeroNonFiniteGradient",
     "zero_nonfinite_gradient",
+    "SafeNorm",
+    "safe_norm",
+    "SafeNormalize",
+    "safe_normalize",
+    "SafeSqrt",
+    "safe_sqrt",
+    "SafeArccos",
+    "safe_arccos",
+    "SafeArcsin",
+    "safe_arcsin",
 ]
