@@ -206,12 +206,14 @@ def away_failures(f: Callable, plain: Callable, x: jax.Array) -> set[str]:
     return failed
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", list(SAFE))
 def test_rule_is_finite_and_conventional_at_its_singular_set(name):
     f, x = SAFE[name]
     assert singular_failures(f, x, VALUES[name]) == set()
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", list(SAFE))
 def test_rule_is_the_plain_formula_away_from_its_singular_set(name):
     f, _ = SAFE[name]
@@ -236,6 +238,7 @@ def test_naive_versions_fail_the_same_checks(name, naive):
         assert not {"jacfwd", "jacrev"} & failed
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", list(SAFE))
 def test_low_precision_keeps_dtype_and_conventions_finite(name, dtype):
@@ -288,6 +291,7 @@ def nan_is_local(f: Callable, name: str) -> bool:
     )
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", list(SAFE))
 def test_nan_is_visible_only_where_it_is(name):
     assert nan_is_local(SAFE[name][0], name)
@@ -317,6 +321,7 @@ def test_the_nan_check_catches_a_nan_selected_away():
 # safe_norm's scaled range ---------------------------------------------------------
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("low,high", [(3e30, 4e30), (3e-30, 4e-30)])
 def test_norm_is_scaled_beyond_the_plain_range(low, high):
     x = jax.random.uniform(jax.random.key(0), (5, 3), minval=low, maxval=high)
@@ -333,6 +338,7 @@ def test_norm_is_scaled_beyond_the_plain_range(low, high):
 # arccos and arcsin beyond ±1 ------------------------------------------------------
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_arc_rounding_band_is_four_epsilons(dtype):
     eps = float(jnp.finfo(dtype).eps)
@@ -408,6 +414,7 @@ class _NaiveArccos(eqxrules.SafeArccos):
         return -1 / jnp.sqrt(1 - x * x)
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize(
     "rule,point", [(_NaiveSqrt, "`x` = 0)"), (_NaiveArccos, "`x` = -1)")]
 )
