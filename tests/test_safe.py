@@ -313,6 +313,7 @@ def _(primals, tangents):
     return n, jnp.where(ok, dot, 0.0)
 
 
+@pytest.mark.slow  # about 10 s: every derivative of the planted norm, eager too
 def test_the_nan_check_catches_a_nan_selected_away():
     assert singular_failures(_norm_nan_hidden, SAFE["norm"][1], VALUES["norm"]) == set()
     assert not nan_is_local(_norm_nan_hidden, "norm")
