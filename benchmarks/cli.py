@@ -181,20 +181,25 @@ def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
             code=report.code_version(),
             load=[os.getloadavg()[0]],
         )
-        section_job = dataclasses.replace(job, previous=results.get(section))
-        figures = BY_NAME[section].run(section_job)
-        measured["load"].append(os.getloadavg()[0])
-        if args.rules and args.merge and section in results:
-            results[section] = merge_rows(
-                section, results[section], figures, measured, job.entries
-            )
-        else:
-            results[section] = figures
-            results[section]["measured"] = measured
+
+        def save(figures: dict[str, Any], final: bool = False) -> None:
+            if final:
+                measured["load"].append(os.getloadavg()[0])
+            if args.rules and args.merge and section in saved:
+                results[section] = merge_rows(
+                    section, saved[section], figures, measured, job.entries
+                )
+            else:
+                results[section] = dict(figures, measured=measured)
+            if args.json or args.merge:
+                json_path.write_text(json.dumps(_jsonable(results), indent=1))
+
+        saved = dict(results)
+        section_job = dataclasses.replace(job, previous=saved.get(section), save=save)
+        save(BY_NAME[section].run(section_job), final=True)
     seconds = time.perf_counter() - started
     out.write_text(render(results))
     log(f"wrote {out} in {seconds:.0f}s")
     if args.json or args.merge:
-        json_path.write_text(json.dumps(_jsonable(results), indent=1))
         log(f"wrote {json_path}")
     return 0

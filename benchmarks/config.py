@@ -91,3 +91,6 @@ class Job:
     all_examples: bool  # every example of each rule, not just the first
     log: Callable[[str], None]
     previous: dict[str, Any] | None = None  # this section's saved figures (`--merge`)
+    save: Callable[[dict[str, Any]], None] = lambda figures: None
+    """Saves this section's figures so far (with `--merge` or `--json`), for a long
+    section to keep each figure as it is measured."""
