@@ -182,21 +182,22 @@ def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
             load=[os.getloadavg()[0]],
         )
 
-        def save(figures: dict[str, Any], final: bool = False) -> None:
-            if final:
-                measured["load"].append(os.getloadavg()[0])
+        def save(figures: dict[str, Any]) -> None:
+            # The load now: at the end once the section is done, else so far.
+            stamp = dict(measured, load=[*measured["load"], os.getloadavg()[0]])
             if args.rules and args.merge and section in saved:
                 results[section] = merge_rows(
-                    section, saved[section], figures, measured, job.entries
+                    section, saved[section], figures, stamp, job.entries
                 )
             else:
-                results[section] = dict(figures, measured=measured)
-            if args.json or args.merge:
+                results[section] = dict(figures, measured=stamp)
+            if args.json or args.merge:  # the report stays its JSON rendered
                 json_path.write_text(json.dumps(_jsonable(results), indent=1))
+                out.write_text(render(results))
 
         saved = dict(results)
         section_job = dataclasses.replace(job, previous=saved.get(section), save=save)
-        save(BY_NAME[section].run(section_job), final=True)
+        save(BY_NAME[section].run(section_job))
     seconds = time.perf_counter() - started
     out.write_text(render(results))
     log(f"wrote {out} in {seconds:.0f}s")
