@@ -159,11 +159,14 @@ def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
         results = json.loads(json_path.read_text())
         if results.get("quick", False) != args.quick:
             raise SystemExit("`--merge`: the saved results are of the other size")
-    # Re-rendering measures nothing, and re-measuring some rules' rows keeps the
-    # machine of the rest (their own machine is in their stamp): the machine stays.
-    partial = bool(args.rules and args.merge and results)
+    # Re-rendering measures nothing, and re-measuring some rules' rows, or some
+    # sections of a saved report, keeps the report's machine (that of the rest):
+    # each stamp measured on another machine names its own.
+    partial = bool(args.merge and results and (args.rules or args.only))
+    here = report.machine()
     if not args.render and not partial:
-        results.update(machine=report.machine(), quick=args.quick)
+        results.update(machine=here, quick=args.quick)
+    elsewhere = results.get("machine", {}).get("cpu") != here["cpu"]
     job = Job(
         sizes=QUICK if args.quick else FULL,
         quick=args.quick,
@@ -180,6 +183,7 @@ def main(argv: Sequence[str] | None = None, prog: str = report.SCRIPT) -> int:
             command=command,
             code=report.code_version(),
             load=[os.getloadavg()[0]],
+            **(dict(cpu=here["cpu"], cores=here["cores"]) if elsewhere else {}),
         )
 
         def save(figures: dict[str, Any]) -> None:

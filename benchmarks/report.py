@@ -54,6 +54,7 @@ def measured(res: dict[str, Any]) -> str:
         "measured",
         m=m,
         commit=f" on commit `{m['code']}`" if "code" in m else "",
+        machine=f", on {m['cpu']} ({m['cores']} cores)" if "cpu" in m else "",
         before=m["load"][0],
         after=m["load"][1],
     )
