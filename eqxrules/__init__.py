@@ -14,6 +14,7 @@ from ._catalogue import (
     catalogue as catalogue,
     functional as functional,
 )
+from ._domain import Args as Args, Inputs as Inputs, Mask as Mask
 from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import Quantized as Quantized, quantize as quantize
 from ._lowp.dot import quantized_dot as quantized_dot
@@ -30,11 +31,14 @@ from ._verify import (
 __version__ = "0.2.0"
 
 __all__ = [
+    "Args",
     "Domain",
     "ElementwiseRule",
     "Entry",
+    "Inputs",
     "JVPRule",
     "Keyed",
+    "Mask",
     "NonNegativeSignInputWarning",
     "PytreeRule",
     "Quantized",

@@ -1,6 +1,8 @@
 """[`Domain`][]: where a rule's test inputs come from, for `python -m eqxrules`, the
 test suite and [`eqxrules.verify_rule`][]: random points, points that hold every
-kink, and the degenerate inputs where a rule that reduces over an axis goes wrong."""
+kink, and the degenerate inputs where a rule that reduces over an axis goes wrong.
+A rule of several inputs declares one per input ([`Inputs`][], [`Mask`][] for a
+boolean one), and its test inputs are [`Args`][]."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
@@ -148,4 +151,154 @@ class Domain:
         return [(what, jnp.asarray(x, dtype=dtype)) for what, x in pairs]
 
 
-__all__ = ["Domain"]
+class Mask(Domain):
+    """The domain of a boolean input (`safe_where`'s mask): random `True` and
+    `False` of `shape`, whatever dtype is asked for (a mask stays boolean); no
+    kinks. Its degenerate inputs are all `False` and all `True`.
+
+    **Arguments:**
+
+    - `shape`: the shape of a test input.
+    """
+
+    def __init__(self, shape: tuple[int, ...] = (4, 3)) -> None:
+        super().__init__(low=0.0, high=1.0, shape=tuple(shape))
+
+    def sample(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32, *, off_kinks: bool = True
+    ) -> Array:
+        """Random booleans, both values present where there are two elements."""
+        flags = np.asarray(self._uniform(key) < 0.5).reshape(-1)
+        if flags.size >= 2:
+            flags[:2] = (True, False)
+        return jnp.asarray(flags.reshape(self.shape))
+
+    def on_kinks(self, key: PRNGKeyArray, dtype: Any = jnp.float32) -> list[Array]:
+        return [self.sample(key)]
+
+    def degenerate(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ) -> list[tuple[str, Array]]:
+        return [
+            ("a mask of every element `False`", jnp.zeros(self.shape, bool)),
+            ("a mask of every element `True`", jnp.ones(self.shape, bool)),
+        ]
+
+
+class Args(tuple):  # noqa: SLOT001  (a pytree node, registered below)
+    """The test inputs of a rule of several inputs, one per [`Inputs`][] entry: the
+    rule is called as `rule(*args)`. A pytree (a tuple subclass JAX maps over), so
+    that a transformation of the inputs (`vmap`, a dtype cast with
+    `jax.tree_util.tree_map`) gives `Args` again, and a rule of one input (whose
+    test input is an array, or any pytree) is never mistaken for one of several."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Args{tuple(self)!r}"
+
+
+jtu.register_pytree_node(Args, lambda a: (tuple(a), None), lambda _, c: Args(c))
+
+
+def call(f: Any, x: Any, **kwargs: Any) -> Any:
+    """`f(*x)` for the [`Args`][] of a rule of several inputs, else `f(x)`."""
+    return f(*x, **kwargs) if isinstance(x, Args) else f(x, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Inputs:
+    """The domains of a rule's several inputs, by name, in the order `primal` takes
+    them: a multi-input rule declares it as its `domain`,
+
+    ```python
+    domain: ClassVar = eqxrules.Inputs(a=eqxrules.Domain(), b=eqxrules.Domain(kinks=(0.0,)))
+    ```
+
+    and every test input is an [`Args`][] of one array per input, each drawn from
+    its own domain (shapes may differ where the rule broadcasts). Kinks belong to
+    the inputs (`kinks` is their union). At the kinks, each input holds its own
+    while the others are drawn off theirs; the degenerate inputs are each input's
+    own, the others drawn at random.
+    """
+
+    names: tuple[str, ...]
+    domains: tuple[Domain, ...]
+
+    def __init__(self, **domains: Domain) -> None:
+        if len(domains) < 2 or not all(isinstance(d, Domain) for d in domains.values()):
+            raise TypeError(
+                "`Inputs`: give two or more inputs, each a `Domain` by name "
+                f"(`Inputs(a=Domain(), b=Domain())`), not {domains!r}."
+            )
+        object.__setattr__(self, "names", tuple(domains))
+        object.__setattr__(self, "domains", tuple(domains.values()))
+
+    @property
+    def kinks(self) -> tuple[float, ...]:
+        return tuple(sorted({k for d in self.domains for k in d.kinks}))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape the inputs broadcast to (that of the output, elementwise)."""
+        return tuple(np.broadcast_shapes(*(d.shape for d in self.domains)))
+
+    @property
+    def margin(self) -> float:
+        return max(d.margin for d in self.domains)
+
+    def with_kinks(self, kinks: Sequence[float]) -> Inputs:
+        """These inputs, whose kinks are their own: `kinks` must be none or theirs."""
+        if set(kinks) - set(self.kinks):
+            raise ValueError(
+                f"`Inputs`: kinks {tuple(kinks)} are not those of its inputs "
+                f"({self.kinks}); declare each in the domain of its input."
+            )
+        return self
+
+    @property
+    def varied(self) -> int:
+        """The input a plot of the rule varies: the first with kinks, else the
+        first that is not a [`Mask`][]."""
+        with_kinks = [i for i, d in enumerate(self.domains) if d.kinks]
+        floats = [i for i, d in enumerate(self.domains) if not isinstance(d, Mask)]
+        return (with_kinks or floats)[0]
+
+    def _keys(self, key: PRNGKeyArray) -> list[PRNGKeyArray]:
+        return list(jax.random.split(key, len(self.domains)))
+
+    def sample(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32, *, off_kinks: bool = True
+    ) -> Args:
+        """One input of each domain (`Domain.sample`)."""
+        return Args(
+            d.sample(k, dtype, off_kinks=off_kinks)
+            for d, k in zip(self.domains, self._keys(key), strict=True)
+        )
+
+    def on_kinks(self, key: PRNGKeyArray, dtype: Any = jnp.float32) -> list[Args]:
+        """Inputs that together hold every input's kinks: the `i`-th has the `i`-th
+        input of each `Domain.on_kinks` (the first again for an input with fewer)."""
+        per = [d.on_kinks(k, dtype) for d, k in zip(self.domains, self._keys(key))]
+        return [
+            Args(xs[min(i, len(xs) - 1)] for xs in per)
+            for i in range(max(len(xs) for xs in per))
+        ]
+
+    def degenerate(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ) -> list[tuple[str, Args]]:
+        """Each input's degenerate inputs (`Domain.degenerate`), the other inputs
+        drawn off their kinks; described with the input's name."""
+        k_base, k_own = jax.random.split(key)
+        base = self.sample(k_base, dtype)
+        out = []
+        for i, (name, d) in enumerate(zip(self.names, self.domains, strict=True)):
+            for what, x in d.degenerate(jax.random.fold_in(k_own, i), dtype):
+                args = list(base)
+                args[i] = x
+                out.append((f"`{name}` {what}", Args(args)))
+        return out
+
+
+__all__ = ["Args", "Domain", "Inputs", "Mask", "call"]

@@ -16,6 +16,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ._catalogue import Entry, catalogue
+from ._domain import Args, Inputs
 
 _POINTS = 401
 _MISSING = (
@@ -42,17 +43,27 @@ def _scalar_function(entry: Entry) -> tuple[Callable[[Array], Array], str]:
     kwargs = rule.call_kwargs(jax.random.key(1))
     if entry.elementwise:
         return (lambda s: _first_element(rule(s, **kwargs))), "x"
-    base = rule.input_domain().sample(jax.random.key(2))
+    domain = rule.input_domain()
+    sample = domain.sample(jax.random.key(2))
+    if isinstance(domain, Inputs):  # several inputs: one varies, the others fixed
+        i, name = domain.varied, domain.names[domain.varied]
+        base, rest = sample[i], "other elements and inputs fixed"
+    else:
+        i, name, base, rest = 0, "x", sample, "other elements fixed"
 
     def f(s: Array) -> Array:
         x = base.reshape(-1).at[0].set(s).reshape(base.shape)
-        return _first_element(rule(x, **kwargs))
+        args = list(sample) if isinstance(sample, Args) else [x]
+        args[i] = x
+        return _first_element(rule(*args, **kwargs))
 
-    return f, "x[0] (other elements fixed); output element 0"
+    return f, f"{name}[0] ({rest}); output element 0"
 
 
 def _curves(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     d = _first_example(entry).input_domain()
+    if isinstance(d, Inputs):
+        d = d.domains[d.varied]
     kinks = [k for k in d.kinks if d.low <= k <= d.high]
     # The kinks themselves are on the grid, so the value *at* each boundary shows.
     grid = np.union1d(np.linspace(d.low, d.high, _POINTS), np.asarray(kinks))

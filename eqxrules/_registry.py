@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ._domain import Domain as Domain
+from ._domain import Args, Domain as Domain
 from ._hyper import declarations, parameters, undeclared
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -332,24 +332,36 @@ class Entry:
         argument, so the parameters of a wrapped sub-model are checked too."""
         kwargs = rule.call_kwargs(key)
 
-        def fn(m, x):
-            return m(x, **kwargs)
+        def fn(m, *x):
+            return m(*x, **kwargs)
 
-        def forward(m, x):
-            return m.reference_forward(x, **kwargs)
+        def forward(m, *x):
+            return m.reference_forward(*x, **kwargs)
 
-        def derivative(m, x):
-            return m.reference_derivative(x, **kwargs)
+        def derivative(m, *x):
+            return m.reference_derivative(*x, **kwargs)
 
-        def reference_vjp(ct, m, x):
-            return m.reference_vjp(ct, x, **kwargs)
+        def reference_vjp(ct, m, *x):
+            return m.reference_vjp(ct, *x, **kwargs)
 
         references: dict[str, Any] = dict(forward=forward)
         if self.reference_vjp:
             references["reference_vjp"] = reference_vjp
         else:
             references["derivative"] = derivative
-        return fn, (rule, x), references
+        # A rule of several inputs (its test input an `Args`) takes each as an
+        # argument: `check_rule` then holds each fixed in turn (`held_fixed`). Its
+        # reports name them as the signatures do: `m`, then `x` or each input's.
+        several = isinstance(x, Args)
+        args = tuple(x) if several else (x,)
+        names = rule.input_domain().names if several else ("x",)
+        params = [
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            for n in ("m", *names)
+        ]
+        for f in (fn, forward, derivative):
+            f.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        return fn, (rule, *args), references
 
 
 def _entry(rule: Any, function: Callable[..., Any] | None = None) -> Entry:

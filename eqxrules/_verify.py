@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
@@ -241,12 +242,16 @@ def _rejects(rule: type, bad: Any) -> str | None:
 def _keeps_dtype(entry: Entry, rule: Any, key: PRNGKeyArray) -> list[str]:
     """An elementwise rule on bfloat16 input gives a bfloat16 value and gradient."""
     x = rule.input_domain().sample(key, jnp.bfloat16, off_kinks=False)
-    fn, (m, x), _ = entry.check_arguments(rule, x, key)
-    out = fn(m, x)
-    grad = jax.grad(lambda x: fn(m, x).astype(jnp.float32).sum())(x)
+    fn, (m, *xs), _ = entry.check_arguments(rule, x, key)
+    out = fn(m, *xs)
+    # In every floating-point input (a rule of several may take a boolean mask).
+    grads = eqx.filter_grad(lambda xs: fn(m, *xs).astype(jnp.float32).sum())(xs)
+    named = [("value", out)] + [
+        ("gradient", g) for g in jax.tree_util.tree_leaves(grads)
+    ]
     return [
         f"`{name}` is {a.dtype} for bfloat16 input (it must stay bfloat16)"
-        for name, a in (("value", out), ("gradient", grad))
+        for name, a in named
         if a.dtype != jnp.bfloat16
     ]
 

@@ -73,6 +73,9 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 import eqxrules  # noqa: E402
 
+# `rule(*x)` for the `eqxrules.Args` of a rule of several inputs, else `rule(x)`.
+from eqxrules._domain import call as call  # noqa: E402
+
 # The property suite is jit-compiled on whatever backend JAX finds; keep hypothesis
 # deterministic and bounded so the suite stays well inside CI's time.
 settings.register_profile(

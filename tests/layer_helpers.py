@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from conftest import call
 
 import eqxrules
 
@@ -54,8 +55,13 @@ def _reference_kwargs(rule, key):
 def _pullback(rule, x, ct, kwargs):
     """Reference cotangents `(rule, x)` of the rule at `x` for output cotangent `ct`."""
     if type(rule).reference_vjp is not eqxrules.Rule.reference_vjp:
-        return rule.reference_vjp(ct, x, **kwargs)
-    _, vjp = eqx.filter_vjp(lambda m, x: m.reference_derivative(x, **kwargs), rule, x)
+        ct_rule, *ct_x = call(ft.partial(rule.reference_vjp, ct), x, **kwargs)
+        return ct_rule, (
+            eqxrules.Args(ct_x) if isinstance(x, eqxrules.Args) else ct_x[0]
+        )
+    _, vjp = eqx.filter_vjp(
+        lambda m, x: call(m.reference_derivative, x, **kwargs), rule, x
+    )
     return vjp(ct)
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from conftest import ENTRIES, KEY, example_cases, examples
+from conftest import ENTRIES, KEY, call, example_cases, examples
 from hypothesis import given, strategies as st
 
 import eqxrules
@@ -233,14 +233,22 @@ def _jitted_pair(entry, index):
     rule = _example(entry, index)
 
     def both(x, ct):
-        fn, args, refs = entry.check_arguments(rule, x, jax.random.key(2))
-        out, pullback = jax.vjp(lambda x: fn(args[0], x), x)
-        ref_out = refs["forward"](*args)
+        fn, (m, *xs), refs = entry.check_arguments(rule, x, jax.random.key(2))
+        # With respect to every floating-point input (a mask is held as it is).
+        d, fixed = eqx.partition(xs, eqx.is_inexact_array)
+
+        def at(f):
+            return lambda d: f(m, *eqx.combine(d, fixed))
+
+        out, pullback = jax.vjp(at(fn), d)
+        ref_out = refs["forward"](m, *xs)
         if "derivative" in refs:
-            _, ref_pullback = jax.vjp(lambda x: refs["derivative"](args[0], x), x)
+            _, ref_pullback = jax.vjp(at(refs["derivative"]), d)
             (ref_ct,) = ref_pullback(ct)
         else:
-            ref_ct = refs["reference_vjp"](ct, *args)[1]
+            ref_ct = eqx.filter(
+                refs["reference_vjp"](ct, m, *xs)[1:], eqx.is_inexact_array
+            )
         return out, pullback(ct)[0], ref_out, ref_ct
 
     return jax.jit(both), rule
@@ -255,8 +263,8 @@ def test_entry_matches_reference_on_random_inputs(entry, index, data):
     the kinks themselves mixed in (boundaries are where STEs go wrong)."""
     both, rule = _jitted_pair(entry, index)
     domain = rule.input_domain()
-    x = data.draw(strategies.arrays(domain, off_kinks=False, with_kinks=True))
-    out_shape = jax.eval_shape(lambda x: rule(x, **rule.call_kwargs(KEY)), x)
+    x = data.draw(strategies.inputs(domain, off_kinks=False, with_kinks=True))
+    out_shape = jax.eval_shape(lambda x: call(rule, x, **rule.call_kwargs(KEY)), x)
     seed = data.draw(st.integers(0, 2**16))
     ct = jtu.tree_map(
         lambda s: jax.random.normal(jax.random.key(seed), s.shape, s.dtype), out_shape
@@ -308,16 +316,17 @@ def test_entry_keeps_dtype(entry, index, dtype):
     @eqx.filter_jit
     def value_and_grads(rule, x):
         def loss(rule_and_x):
-            out = rule_and_x[0](rule_and_x[1], **kwargs)
+            out = call(rule_and_x[0], rule_and_x[1], **kwargs)
             return sum(jnp.sum(o.astype(jnp.float32)) for o in jtu.tree_leaves(out))
 
-        return rule(x, **kwargs), eqx.filter_grad(loss)((rule, x))
+        return call(rule, x, **kwargs), eqx.filter_grad(loss)((rule, x))
 
     out, (g_rule, g_x) = value_and_grads(rule, x)
     for o in jtu.tree_leaves(out):
         if eqx.is_inexact_array(o):
             assert o.dtype == dtype, entry.name
-    assert g_x.dtype == dtype
+    for g in jtu.tree_leaves(g_x):  # every floating-point input's (not a mask's)
+        assert g.dtype == dtype
     for g in jtu.tree_leaves(eqx.filter(g_rule, eqx.is_inexact_array)):
         assert g.dtype == dtype
 

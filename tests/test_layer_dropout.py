@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from conftest import call
 from layer_helpers import (
     ENTRIES,
     K1,
@@ -53,7 +54,7 @@ def _run(model, x, k1, k2, plain=None):
 
     def loss(model_and_x):
         model, x = model_and_x
-        out = model(x, key=k1)
+        out = call(model, x, key=k1)
         return _sum_sin(out), out
 
     (_, out), (grads, g_x) = eqx.filter_value_and_grad(loss, has_aux=True)((model, x))
@@ -62,15 +63,15 @@ def _run(model, x, k1, k2, plain=None):
         out=out,
         grads=grads,
         g_x=g_x,
-        out_k2=model(x, key=k2),
-        inference=[inference(x, key=k) for k in (k1, k2, None)],
+        out_k2=call(model, x, key=k2),
+        inference=[call(inference, x, key=k) for k in (k1, k2, None)],
     )
     if plain is not None:
         kwargs = _reference_kwargs(model, k1)
-        reference = model.reference_forward(x, **kwargs)
+        reference = call(model.reference_forward, x, **kwargs)
         ct = jtu.tree_map(jnp.cos, reference)
         results["reference"] = (reference, *_pullback(model, x, ct, kwargs))
-        results["plain"] = plain(x)
+        results["plain"] = call(plain, x)
     return results
 
 
@@ -107,7 +108,7 @@ def check_key_reaches_dropout(rule, plain):
     kwargs = _reference_kwargs(rule, K1)
     assert kwargs, "the rule wraps a module, but its references take no key"
     r = _run(rule, x, K1, K2, plain=plain)
-    _assert_trees_close(rule(x, key=K1), r["out"], "same key, other mask (eager)")
+    _assert_trees_close(call(rule, x, key=K1), r["out"], "same key, other mask (eager)")
     assert _differ(r["out"], r["out_k2"]), "the mask ignores the key"
     reference, expected_rule, expected_x = r["reference"]
     _assert_trees_close(r["out"], reference, "value != reference with the same key")
@@ -115,7 +116,9 @@ def check_key_reaches_dropout(rule, plain):
         _assert_trees_equal(value, r["plain"], "inference_mode: dropout still applied")
     _assert_trees_close(r["grads"], expected_rule, "gradient of the rule's parameters")
     _assert_trees_close(r["g_x"], expected_x, "gradient of x")
-    assert _asks_for_dropout_key(lambda: rule(x)), "without a key, dropout still ran"
+    assert _asks_for_dropout_key(lambda: call(rule, x)), (
+        "without a key, dropout still ran"
+    )
 
 
 @pytest.mark.parametrize("entry, index, field", WRAPPER_CASES)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from conftest import CALL_KEY, ENTRIES, KEY, examples as _examples, sum_loss
+from conftest import CALL_KEY, ENTRIES, KEY, call, examples as _examples, sum_loss
 
 import eqxrules
 from eqxrules._hyper import Invalid, declarations, parameters
@@ -48,8 +48,18 @@ def _assert_parts(message: str, *parts: str) -> None:
         assert part in message, (part, message)
 
 
-def _sample(entry: eqxrules.Entry, seed: int = 1) -> np.ndarray:
-    return np.array(entry.domain.sample(jax.random.key(seed), off_kinks=True))
+def _sample(entry: eqxrules.Entry, seed: int = 1) -> Any:
+    """A host input: an array, or an `eqxrules.Args` of them (several inputs)."""
+    x = entry.domain.sample(jax.random.key(seed), off_kinks=True)
+    return jtu.tree_map(np.array, x)
+
+
+def _inputs(entry: eqxrules.Entry, x: Any) -> dict[str, Any]:
+    """The functional form's inputs by name: `{"x": x}`, or one per input of a rule
+    of several (`eqxrules.Inputs` names them as `primal` does)."""
+    if isinstance(x, eqxrules.Args):
+        return dict(zip(entry.domain.names, x, strict=True))
+    return {"x": x}
 
 
 _loss = sum_loss
@@ -138,7 +148,17 @@ def _keyword_rows() -> list[Any]:
 def test_invalid_hyperparameter_at_call(entry, bad):
     """The functional form rejects the same values when it is called."""
     x = _sample(entry)
-    call_kwargs = _examples(entry)[0].call_kwargs(CALL_KEY)
+    example = _examples(entry)[0]
+    call_kwargs = example.call_kwargs(CALL_KEY)
+    if isinstance(x, eqxrules.Args):  # by name, with the example's other fields
+        params = inspect.signature(entry.function).parameters
+        hyper = {f: getattr(example, f) for f in _fields(entry) if f in params}
+        with pytest.raises(bad.error) as info:
+            entry.function(
+                **_inputs(entry, x), **call_kwargs, **{**hyper, **bad.kwargs}
+            )
+        _assert_names(str(info.value), _names(entry.module), *_shown(bad))
+        return
     with pytest.raises(bad.error) as info:
         entry.function(x, **call_kwargs, **bad.kwargs)
     _assert_names(str(info.value), _names(entry.module), *_shown(bad))
@@ -215,7 +235,7 @@ def _value_and_vjp(f: Any, x: Any) -> Any:
 
 
 def _positional_matches_keywords(function: Any, entry: eqxrules.Entry) -> None:
-    x = jnp.asarray(_sample(entry))
+    x = _sample(entry)
     fields = _fields(entry)
     names = _positional(function)
     for rule in _examples(entry):
@@ -225,14 +245,27 @@ def _positional_matches_keywords(function: Any, entry: eqxrules.Entry) -> None:
         # A key the example needs by keyword (`rounding="stochastic"`).
         keyed = {k: v for k, v in rule.call_kwargs(CALL_KEY).items() if k not in names}
 
-        def by_position(x, rule=rule):
-            return function(*[values.get(n, x) for n in names], **rest, **keyed)
+        def given(d: Any) -> dict[str, Any]:
+            """The inputs by name: every name not a hyperparameter is the one
+            input of a rule of one (whatever its name), else named by `Inputs`."""
+            x = eqx.combine(d, fixed)
+            if isinstance(x, eqxrules.Args):
+                return _inputs(entry, x)
+            return {n: x for n in names if n not in values}
 
-        def by_keyword(x):
-            inputs = {n: values.get(n, x) for n in names if n not in fields}
+        def by_position(d, rule=rule):
+            inputs = given(d)
+            return function(
+                *[values.get(n, inputs.get(n)) for n in names], **rest, **keyed
+            )
+
+        def by_keyword(d):
+            inputs = {n: a for n, a in given(d).items() if n not in fields}
             return entry.function(**inputs, **hyper, **keyed)
 
-        actual, expected = _value_and_vjp(by_position, x), _value_and_vjp(by_keyword, x)
+        # With respect to the floating-point inputs (a mask is held fixed).
+        d, fixed = eqx.partition(jtu.tree_map(jnp.asarray, x), eqx.is_inexact_array)
+        actual, expected = _value_and_vjp(by_position, d), _value_and_vjp(by_keyword, d)
         _assert_same(actual, expected, f"{entry.name} by position")
 
 
@@ -265,13 +298,33 @@ def test_positional_hyperparameters_can_fail():
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_two_positional_arguments(entry):
-    """Every rule takes one input: a second positional argument is a `TypeError`
-    naming the rule and saying how many it got."""
+    """A rule takes its inputs (one, or those `eqxrules.Inputs` names): one more
+    positional argument is a `TypeError` naming the rule and saying how many it
+    got."""
     rule = _examples(entry)[0]
-    x = jnp.asarray(_sample(entry))
+    x = jtu.tree_map(jnp.asarray, _sample(entry))
+    args = (*x, x[-1]) if isinstance(x, eqxrules.Args) else (x, x)
     with pytest.raises(TypeError) as info:
-        rule(x, x, **rule.call_kwargs(CALL_KEY))
-    _assert_names(str(info.value), _names(entry.module), "2")
+        rule(*args, **rule.call_kwargs(CALL_KEY))
+    _assert_names(str(info.value), _names(entry.module), str(len(args)))
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [e for e in ENTRIES if isinstance(e.domain, eqxrules.Inputs)],
+    ids=lambda e: e.name,
+)
+def test_inputs_that_do_not_broadcast(entry):
+    """A rule of several inputs whose shapes do not broadcast together raises a
+    `ValueError` naming the rule, each input and its shape."""
+    rule = _examples(entry)[0]
+    x = list(jtu.tree_map(jnp.asarray, _sample(entry)))
+    j = next(i for i, a in enumerate(x) if a.ndim)  # an input with an axis
+    x[j] = jnp.concatenate([x[j], x[j]], axis=-1)  # its last axis doubled
+    with pytest.raises(ValueError) as info:
+        rule(*x, **rule.call_kwargs(CALL_KEY))
+    shapes = [str(tuple(a.shape)) for a in x]
+    _assert_names(str(info.value), _names(entry.module), *entry.domain.names, *shapes)
 
 
 def _needs_call_kwargs(entry: eqxrules.Entry) -> bool:
@@ -286,7 +339,7 @@ def test_missing_call_keyword(entry):
     `TypeError` naming the rule and the keyword."""
     rule = _examples(entry)[0]
     with pytest.raises(TypeError) as info:
-        rule(jnp.asarray(_sample(entry)))
+        call(rule, jtu.tree_map(jnp.asarray, _sample(entry)))
     message = str(info.value)
     _assert_names(message, _names(entry.module))
     for k in rule.call_kwargs(CALL_KEY):
@@ -294,11 +347,18 @@ def test_missing_call_keyword(entry):
         assert f"{k}=" in message or f"'{k}'" in message, (k, message)
 
 
-def _nonfinite(entry: eqxrules.Entry) -> jax.Array:
-    x = _sample(entry)
-    flat = x.reshape(-1)
-    flat[:3] = NAN, INF, -INF
-    return jnp.asarray(x)
+def _nonfinite(entry: eqxrules.Entry) -> Any:
+    """An input whose first elements are NaN, +inf and -inf (in each
+    floating-point input of a rule of several)."""
+
+    def spoil(a: np.ndarray) -> jax.Array:
+        if np.issubdtype(a.dtype, np.floating):
+            flat = a.reshape(-1)
+            n = min(3, flat.size)
+            flat[:n] = (NAN, INF, -INF)[:n]
+        return jnp.asarray(a)
+
+    return jtu.tree_map(spoil, _sample(entry))
 
 
 def _value_and_grads(entry: eqxrules.Entry, x: jax.Array):
@@ -317,14 +377,14 @@ def _jitted(entry: eqxrules.Entry):
         def grads(f):
             return eqx.filter_grad(lambda rx: _loss(f(*rx)))((rule, x))[1]
 
-        out = rule(x, **kwargs)
-        ref_out = rule.reference_forward(x, **kwargs)
-        g = grads(lambda r, x: r(x, **kwargs))
+        out = call(rule, x, **kwargs)
+        ref_out = call(rule.reference_forward, x, **kwargs)
+        g = grads(lambda r, x: call(r, x, **kwargs))
         if entry.reference_vjp:
             ct = jtu.tree_map(jnp.ones_like, eqx.filter(out, eqx.is_inexact_array))
-            ref_g = rule.reference_vjp(ct, x, **kwargs)[1]
+            ref_g = call(ft.partial(rule.reference_vjp, ct), x, **kwargs)[1]
         else:
-            ref_g = grads(lambda r, x: r.reference_derivative(x, **kwargs))
+            ref_g = grads(lambda r, x: call(r.reference_derivative, x, **kwargs))
         return out, ref_out, g, ref_g
 
     return run

@@ -21,7 +21,9 @@ planted defect below is that tangent, and the check must find it.
 from __future__ import annotations
 
 import functools as ft
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -30,6 +32,7 @@ import pytest
 from conftest import CALL_KEY, ENTRIES, example_cases, examples
 
 import eqxrules
+from eqxrules.testing._tree import cast
 
 F32, BF16, F16 = "float32", "bfloat16", "float16"
 FINITE, POS_INF, NAN = "finite", "+inf", "nan"
@@ -42,7 +45,45 @@ def _example(entry, index):
 def _own_maths(rule) -> bool:
     """No arrays or callables inside: the derivative is the rule's own formula, not
     the autodiff of a wrapped model or surrogate (whose `0 · inf` is its own)."""
-    return not jtu.tree_leaves(rule)
+    return not jtu.tree_leaves(rule.several if isinstance(rule, _Alone) else rule)
+
+
+class _Alone(eqx.Module):
+    """Input `j` of a rule of several inputs, the others held at a sample: the
+    probes below see a rule of one input (each floating-point input in turn)."""
+
+    several: Any
+    others: Any
+    j: int = eqx.field(static=True)
+
+    def input_domain(self):
+        return self.several.input_domain().domains[self.j]
+
+    def call_kwargs(self, key):
+        return self.several.call_kwargs(key)
+
+    def _args(self, x):
+        return (*self.others[: self.j], x, *self.others[self.j + 1 :])
+
+    def __call__(self, x, **kwargs):
+        return self.several(*self._args(x), **kwargs)
+
+    def reference_derivative(self, x, **kwargs):
+        return self.several.reference_derivative(*self._args(x), **kwargs)
+
+
+def _probed(rule, dtype: str) -> list[Any]:
+    """`rule`, or for a rule of several inputs one `_Alone` per floating-point
+    input, the others drawn from their domains in `dtype`."""
+    domain = rule.input_domain()
+    if not isinstance(domain, eqxrules.Inputs):
+        return [rule]
+    others = cast(domain.sample(jax.random.key(1), jnp.float32), jnp.dtype(dtype))
+    return [
+        _Alone(rule, others, j)
+        for j, d in enumerate(domain.domains)
+        if not isinstance(d, eqxrules.Mask)
+    ]
 
 
 def _probes(rule, dtype: str) -> list[np.ndarray]:
@@ -98,6 +139,7 @@ def _zeros(jac: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
 
 
 def _has_reference_vjp(rule) -> bool:
+    rule = rule.several if isinstance(rule, _Alone) else rule
     return type(rule).reference_vjp is not eqxrules.Rule.reference_vjp
 
 
@@ -209,8 +251,8 @@ NONFINITE_CASES = [
 @pytest.mark.first_entry_quick
 @pytest.mark.parametrize("entry,index,dtype,how", NONFINITE_CASES)
 def test_zero_derivative_stays_zero_beside_non_finite_values(entry, index, dtype, how):
-    rule = _example(entry, index)
-    assert non_zeros(rule, entry.forward_mode, dtype, (how,)) == []
+    for rule in _probed(_example(entry, index), dtype):
+        assert non_zeros(rule, entry.forward_mode, dtype, (how,)) == []
 
 
 class _MultipliedScale(eqxrules.MagnitudeAwareSign):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +31,18 @@ def _norm(x):
 
 def _normalize(x):
     return eqxrules.safe_normalize(x, -1)
+
+
+def _divide(x):
+    """`a / b` for the pairs `x[..., 0], x[..., 1]`: one array, so that every
+    check below differentiates in `a` and `b` at once."""
+    return eqxrules.safe_divide(x[..., 0], x[..., 1])
+
+
+def _log_where(x):
+    """`log x` where `x > 0` (NaN counts as positive: it must stay visible), else
+    0: the classic masked `log`, whose plain derivative at 0 is NaN."""
+    return eqxrules.safe_where(~(x <= 0), jnp.log, x, 0.0)
 
 
 # Naive formulas and near misses -------------------------------------------------
@@ -94,6 +107,15 @@ NAIVE = {
         "sqrt(sum x² + eps)": lambda x: jnp.sqrt(jnp.sum(x * x, -1) + 1e-12),
         "tangent / max(‖x‖, tiny)": _norm_max_tiny,
     },
+    "divide": {
+        "jnp.where(b == 0, 0, a / b)": lambda x: jnp.where(
+            x[..., 1] == 0, 0.0, x[..., 0] / x[..., 1]
+        ),
+        "a / (b + eps)": lambda x: x[..., 0] / (x[..., 1] + 1e-12),
+    },
+    "where": {
+        "jnp.where(x > 0, log(x), 0)": lambda x: jnp.where(x > 0, jnp.log(x), 0.0),
+    },
     "normalize": {
         "x / ‖x‖": lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True),
         "x / max(‖x‖, tiny)": lambda x: (
@@ -116,6 +138,9 @@ EXPECTED = {
     ("norm", "jnp.linalg.norm"): ({"jacfwd", "jacrev"}, set()),
     ("norm", "sqrt(sum x² + eps)"): ({"value"}, {"value"}),
     ("norm", "tangent / max(‖x‖, tiny)"): ({"hessian", "jacrev(jacrev)"}, set()),
+    ("divide", "jnp.where(b == 0, 0, a / b)"): ({"jacrev", "jacrev(jacrev)"}, set()),
+    ("divide", "a / (b + eps)"): ({"value", "jacfwd", "jacrev"}, set()),
+    ("where", "jnp.where(x > 0, log(x), 0)"): ({"jacrev", "jacrev(jacrev)"}, set()),
     ("normalize", "x / ‖x‖"): ({"value", "jacfwd"}, set()),
     ("normalize", "x / max(‖x‖, tiny)"): ({"jacfwd", "hessian"}, set()),
 }
@@ -127,6 +152,9 @@ SAFE = {
     "arcsin": (eqxrules.safe_arcsin, jnp.array([1.0, -1.0, -1.0])),
     "norm": (_norm, jnp.zeros((2, 3)).at[1].set(-0.0)),
     "normalize": (_normalize, jnp.zeros((2, 3)).at[1].set(-0.0)),
+    # `b == 0`, whatever `a` is (a NaN or inf there is hidden, as documented).
+    "divide": (_divide, jnp.array([[1.0, 0], [jnp.nan, 0], [jnp.inf, -0.0], [0, 0]])),
+    "where": (_log_where, jnp.array([0.0, -0.0, -1.0])),
 }
 VALUES = {
     "sqrt": [0.0, 0.0, 0.0],
@@ -134,6 +162,8 @@ VALUES = {
     "arcsin": [np.float32(np.pi / 2), -np.float32(np.pi / 2), -np.float32(np.pi / 2)],
     "norm": [0.0, 0.0],
     "normalize": np.zeros((2, 3)),
+    "divide": [0.0, 0.0, 0.0, 0.0],
+    "where": [0.0, 0.0, 0.0],
 }
 PLAIN = {
     "sqrt": jnp.sqrt,
@@ -141,12 +171,17 @@ PLAIN = {
     "arcsin": jnp.arcsin,
     "norm": lambda x: jnp.linalg.norm(x, axis=-1),
     "normalize": lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True),
+    "divide": lambda x: x[..., 0] / x[..., 1],
+    "where": jnp.log,
 }
 
 
 def _away_inputs(name: str) -> jax.Array:
     key = jax.random.key(3)
-    if name == "sqrt":  # log-uniform over [1e-8, 4]
+    if name == "divide":  # `b` at least 0.1 in magnitude
+        x = jax.random.normal(key, (16, 2))
+        return x.at[:, 1].set(jnp.where(abs(x[:, 1]) < 0.1, 0.5, x[:, 1]))
+    if name in ("sqrt", "where"):  # log-uniform over [1e-8, 4]
         return jnp.exp(jax.random.uniform(key, (64,), minval=-18.4, maxval=1.38))
     if name in ("arccos", "arcsin"):  # JAX's own derivative is inexact nearer ±1
         return jax.random.uniform(key, (64,), minval=-0.99, maxval=0.99)
@@ -292,7 +327,7 @@ def nan_is_local(f: Callable, name: str) -> bool:
 
 
 @pytest.mark.first_case_quick
-@pytest.mark.parametrize("name", list(SAFE))
+@pytest.mark.parametrize("name", ["sqrt", "arccos", "arcsin", "norm", "normalize"])
 def test_nan_is_visible_only_where_it_is(name):
     assert nan_is_local(SAFE[name][0], name)
 
@@ -447,3 +482,122 @@ def test_check_rule_names_a_zero_slice():
     }
     assert reports[False].status == "passed" and reports[True].status == "failed"
     assert "index (0, 0) (input `args[0]` = 0)" in reports[True].describe()
+
+
+# The rules of several inputs: which NaN is visible, broadcasting, `fn`'s own
+# parameters ----------------------------------------------------------------------
+
+
+def _value_and_grads(f: Callable, *args) -> tuple[np.ndarray, ...]:
+    """The value of `f(*args)` and its gradient in each argument (of a weighted
+    sum, so that no cotangent is zero)."""
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) * jnp.cos(f(*a))), range(len(args)))
+    return (np.asarray(f(*args)), *(np.asarray(g) for g in grads(*args)))
+
+
+def test_divide_nan_is_visible_where_b_is_not_zero():
+    """A NaN in `a` or `b` makes its own element NaN, value and both gradients,
+    where `b != 0`; where `b == 0` a NaN `a` is hidden (the documented
+    convention) but a NaN `b` is not (NaN is not 0)."""
+    a = jnp.array([jnp.nan, 1.0, jnp.nan, 2.0, 3.0])
+    b = jnp.array([2.0, jnp.nan, 0.0, 0.0, 4.0])
+    out, g_a, g_b = _value_and_grads(eqxrules.safe_divide, a, b)
+    nan = [True, True, False, False, False]
+    for v in (out, g_a, g_b):
+        np.testing.assert_array_equal(np.isnan(v), nan)
+    np.testing.assert_array_equal(out[2:], [0.0, 0.0, 0.75])
+    np.testing.assert_array_equal([g_a[2:4], g_b[2:4]], np.zeros((2, 2)))
+
+
+def test_where_nan_is_visible_only_where_it_is_used():
+    """A NaN `x` where the mask holds and a NaN `otherwise` where it does not make
+    their element NaN (value, and gradient in `x` and `otherwise`); a NaN `x`
+    where the mask does not hold, or a NaN `otherwise` where it does, is not
+    used and changes nothing."""
+    mask = jnp.array([True, False, True, False])
+    x = jnp.array([jnp.nan, jnp.nan, 2.0, -1.0])
+    other = jnp.array([0.5, 0.5, jnp.nan, jnp.nan])
+
+    def f(x, other):
+        return eqxrules.safe_where(mask, jnp.log, x, other)
+
+    out, g_x, g_o = _value_and_grads(f, x, other)
+    nan = [True, False, False, True]
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(np.isnan(g_x), [True, False, False, False])
+    np.testing.assert_array_equal(np.isnan(g_o), [False, False, False, True])
+    assert g_x[1] == g_x[3] == 0 and g_o[0] == g_o[2] == 0
+
+
+@pytest.mark.parametrize("b_shape", [(3,), (), (4, 1)], ids=["row", "scalar", "column"])
+def test_divide_broadcasts_with_gradients_of_each_shape(b_shape):
+    """`a` of shape (4, 3) and `b` that broadcasts: the value and the gradient in
+    each (of its own shape, summed over the broadcast axes) equal the plain
+    `a / b`'s, away from zero."""
+    a = jax.random.normal(jax.random.key(0), (4, 3))
+    b = 1.5 + jax.random.uniform(jax.random.key(1), b_shape)
+    got = _value_and_grads(eqxrules.safe_divide, a, b)
+    want = _value_and_grads(jnp.divide, a, b)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_where_zero_d_otherwise_gets_the_sum_of_its_cotangents():
+    """A 0-d `otherwise` broadcasts; its gradient is the sum of the cotangents of
+    the masked-out elements (a 0-d array, of its dtype)."""
+    x = jnp.array([[-1.0, 2.0], [0.0, 3.0]])
+    g = jax.grad(
+        lambda o: jnp.sum(
+            eqxrules.safe_where(x > 0, jnp.log, x, o) * jnp.arange(4.0).reshape(2, 2)
+        )
+    )(jnp.float32(7.0))
+    assert g.shape == () and g.dtype == jnp.float32 and float(g) == 0.0 + 2.0
+
+
+def test_where_parameters_of_fn_need_a_finite_fill():
+    """`fn`'s own parameters get the gradient of the masked-in elements when `fn`
+    is finite at `fill` (the default 1 for `log`); with `fill` at `fn`'s
+    singular point (0 for `log`) that gradient is NaN, the documented limit
+    (planted: the check sees it)."""
+
+    class ScaledLog(eqx.Module):
+        scale: jax.Array
+
+        def __call__(self, x):
+            return self.scale * jnp.log(x)
+
+    x = jnp.array([-1.0, 0.0, 2.0, 4.0])
+    fn = ScaledLog(jnp.asarray(3.0))
+
+    def grad_scale(fill):
+        def loss(fn):
+            return jnp.sum(eqxrules.safe_where(x > 0, fn, x, 0.0, fill=fill))
+
+        return float(eqx.filter_grad(loss)(fn).scale)
+
+    assert grad_scale(1.0) == pytest.approx(np.log(2.0) + np.log(4.0))
+    assert np.isnan(grad_scale(0.0))
+
+
+class _NaiveDivide(eqxrules.SafeDivide):
+    r"""$q = a/b$ (0 where $b = 0$), $\dot q = (\dot a - q\dot b)/b$: the plain
+    tangent, inf or NaN where $b = 0$."""
+
+    summary: ClassVar[str] = "a/b; the plain derivative"
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        (_, b), (t_a, t_b) = args, t_args
+        t_a = jnp.zeros_like(out) if t_a is None else t_a
+        t_b = jnp.zeros_like(out) if t_b is None else t_b
+        return (t_a - out * t_b) / b
+
+
+def test_verify_rule_names_the_zero_divisor():
+    """`verify_rule` on a rule of several inputs checks each input's kinks and
+    degenerate values: the plain tangent fails where `b` is 0, named."""
+    problems = eqxrules.verify_rule(_NaiveDivide, raise_on_failure=False).problems
+    assert any("`b` = 0" in p or "`b` an all-zero input" in p for p in problems), (
+        problems
+    )
+    assert eqxrules.verify_rule(eqxrules.SafeDivide, raise_on_failure=False).passed

@@ -18,7 +18,7 @@ from .straight_through import StraightThrough as StraightThrough
 from .categorical import StraightThroughOneHot as StraightThroughOneHot, GumbelSoftmax as GumbelSoftmax
 from .stop_gradient import StopGradient as StopGradient, stop_gradient_call as stop_gradient_call, Frozen as Frozen, frozen_call as frozen_call, Detach as Detach, Standardize as Standardize
 from .gradient import GradientReversal as GradientReversal, GradientScale as GradientScale, ClipGradient as ClipGradient, ClipGradientNorm as ClipGradientNorm, ZeroNonFiniteGradient as ZeroNonFiniteGradient
-from .safe import SafeNorm as SafeNorm, SafeNormalize as SafeNormalize, SafeSqrt as SafeSqrt, SafeArccos as SafeArccos, SafeArcsin as SafeArcsin
+from .safe import SafeNorm as SafeNorm, SafeNormalize as SafeNormalize, SafeSqrt as SafeSqrt, SafeArccos as SafeArccos, SafeArcsin as SafeArcsin, SafeDivide as SafeDivide, safe_divide as safe_divide, SafeWhere as SafeWhere, safe_where as safe_where
 
 
 def ste_sign(x: Float[ArrayLike, '*shape'], clip_value: float | None = 1.0) -> Float[Array, '*shape']:
@@ -275,4 +275,8 @@ __all__ = [
     "safe_arccos",
     "SafeArcsin",
     "safe_arcsin",
+    "SafeDivide",
+    "safe_divide",
+    "SafeWhere",
+    "safe_where",
 ]

@@ -16,17 +16,20 @@ cast back; the conventions are constants (0) that no dtype overflows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
-from .._catalogue import Domain, ElementwiseRule, JVPRule
-from .._hyper import axis_indices, boolean, hyperparameter
-from .._inputs import check_axis, check_float_array
+from .._catalogue import Domain, ElementwiseRule, JVPRule, functional
+from .._domain import Inputs, Mask
+from .._hyper import axis_indices, boolean, finite, function, hyperparameter
+from .._inputs import check_array, check_axis, check_float_array
+from .._tangents import call_with_key, partial_jvp
 from ._elementwise import wide
 
 _Axis = int | tuple[int, ...] | None
@@ -471,3 +474,291 @@ class SafeArcsin(_Safe):
 
     def reference_derivative(self, x: Array) -> Array:
         return _reference_arc(x, "arcsin", derivative=True)
+
+
+# Several inputs -------------------------------------------------------------------
+
+
+def _check_inputs(rule: str, args: tuple[Any, ...], kinds: dict[str, str]) -> None:
+    """A `TypeError` naming `rule` and the argument unless each of `args` is an
+    array of its kind (`"float"` or `"bool"`), and a `ValueError` naming their
+    shapes unless they broadcast together."""
+    for arg, (name, kind) in zip(args, kinds.items(), strict=True):
+        if kind == "float":
+            check_float_array(rule, (arg,), argument=name)
+        else:
+            check_array(rule, (arg,), argument=name, what="a boolean array")
+            dtype = jnp.result_type(arg)
+            if dtype != jnp.bool_:
+                raise TypeError(
+                    f"`{rule}` expects a boolean array for `{name}`, got dtype "
+                    f"{dtype}. Compare first, e.g. `{name} != 0`."
+                )
+    shapes = [jnp.shape(a) for a in args]
+    try:
+        jnp.broadcast_shapes(*shapes)
+    except ValueError:
+        listed = ", ".join(f"`{n}` {s}" for n, s in zip(kinds, shapes, strict=True))
+        raise ValueError(
+            f"`{rule}`: the shapes of its inputs must broadcast together; got {listed}."
+        ) from None
+
+
+def _float_dtype(*args: Any) -> Any:
+    """The dtype of the floating-point inputs together (`jnp.result_type`: a weak
+    Python float keeps a bfloat16 array bfloat16)."""
+    return jnp.result_type(*args)
+
+
+class SafeDivide(JVPRule):
+    r"""`a / b`, which is 0, with zero derivatives in `a` and `b`, where `b` is 0.
+
+    $$q = \begin{cases} a / b & b \neq 0 \\ 0 & b = 0 \end{cases}, \qquad
+    \dot q = \begin{cases} (\dot a - q\,\dot b) / b & b \neq 0 \\
+    0 & b = 0 \end{cases}$$
+
+    with `a` and `b` broadcast together. Where `b == 0` ($-0.0$ counts) the value
+    is 0 and every derivative, in `a` and in `b`, of every order, in both modes,
+    is 0, *whatever `a` is*: a NaN or inf in `a` there is hidden (selected away,
+    in the value and in the derivatives). Elsewhere the value is `a / b` (to 4
+    ulps), and a NaN in `a` or `b` stays in its own element only. The plain
+    `jnp.where(b == 0, 0, a / b)` has the right value but a NaN derivative in `b`
+    (and an inf one in `a`) where `b == 0`.
+
+    The dtype is that of `a` and `b` together (`jnp.result_type`); bfloat16 and
+    float16 are computed in float32 and cast back.
+
+    !!! Example
+
+        ```python
+        eqxrules.SafeDivide()(jnp.array([1.0, 2.0]), jnp.array([2.0, 0.0]))  # [0.5, 0]
+        ```
+    """
+
+    elementwise: ClassVar[bool] = False
+    exact: ClassVar[bool] = True
+    domain: ClassVar[Any] = Inputs(a=Domain(), b=Domain(kinks=(0.0,)))
+
+    summary: ClassVar[str] = (
+        "a/b; derivative `(ȧ − q ḃ)/b`, value and derivatives 0 where b = 0"
+    )
+
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        _check_inputs(self.rule_name(), args, {"a": "float", "b": "float"})
+
+    def primal(self, a: Float[Array, "*a"], b: Float[Array, "*b"]) -> Array:
+        dtype = _float_dtype(a, b)
+        wa, wb = jnp.asarray(a, wide(dtype)), jnp.asarray(b, wide(dtype))
+        zero = wb == 0
+        q = wa / jnp.where(zero, 1, wb)
+        return jnp.where(zero, _zeros(q), q).astype(dtype)
+
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
+        (_, b), (t_a, t_b) = args, t_args
+        if t_a is None and t_b is None:
+            return None
+        w = wide(out.dtype)
+        wb = jnp.asarray(b, w)
+        zero = wb == 0
+        # The slopes in `a` and `b`, `1/b` and `-q/b`, are 0 where `b` is: `b` is
+        # fed 1 there, so no `0/0` in them nor in their own derivatives (second
+        # order). Where a slope is 0 (`b == 0`, or a limit: `b` infinite, `a`
+        # zero) the tangent is selected, never multiplied, as an elementwise
+        # rule's: an inf or NaN tangent or cotangent there gives 0.
+        s_a = jnp.where(zero, jnp.zeros_like(wb), 1 / jnp.where(zero, 1, wb))
+        s_b = -out.astype(w) * s_a
+        t = jnp.zeros(out.shape, w)
+        for t_i, s_i in ((t_a, s_a), (t_b, s_b)):
+            if t_i is not None:
+                t_i = jnp.broadcast_to(t_i.astype(w), out.shape)
+                t = t + jnp.where(s_i == 0, jnp.zeros_like(t_i), t_i * s_i)
+        return t.astype(out.dtype)
+
+    def reference_forward(self, a: Array, b: Array) -> Array:
+        dtype = _float_dtype(a, b)
+        wa, wb = jnp.asarray(a, wide(dtype)), jnp.asarray(b, wide(dtype))
+        return jnp.where(wb == 0, 0, wa / wb).astype(dtype)
+
+    def reference_derivative(self, a: Array, b: Array) -> Array:
+        """`a · r` with the reciprocal `r` of `b` 0 where `b` is: its plain
+        derivative is 0 there (for a finite `a`) in `a` and in `b`."""
+        dtype = _float_dtype(a, b)
+        wa, wb = jnp.asarray(a, wide(dtype)), jnp.asarray(b, wide(dtype))
+        zero = wb == 0
+        r = jnp.where(zero, 0 * wb, 1 / jnp.where(zero, 1, wb))
+        return (wa * r).astype(dtype)
+
+
+@functional(SafeDivide)
+def safe_divide(a: Float[ArrayLike, "*a"], b: Float[ArrayLike, "*b"]) -> Array:
+    return SafeDivide()(a, b)
+
+
+class SafeWhere(JVPRule):
+    r"""`where(mask, fn(x), otherwise)`, whose value and derivatives never see
+    `fn` at the masked-out points: the "double where" trick as one call.
+
+    With $m$ = `mask` and $\tilde x = \operatorname{where}(m, x, c)$ ($c$ = `fill`),
+
+    $$y = \begin{cases} f(x) & m \\ o & \neg m \end{cases}, \qquad
+    \dot y = \begin{cases} f'(x)\,\dot x + \partial_\theta f(x)\,\dot\theta & m \\
+    \dot o & \neg m \end{cases}$$
+
+    where $o$ = `otherwise` and $\theta$ the parameters of `fn` (an `eqx.Module`).
+    `fn` is evaluated on $\tilde x$ only, so its NaN or inf at a masked-out `x`
+    (`log` of a negative, `1/x` at 0) never reaches the value, nor any derivative
+    in `x` or `otherwise`, of any order, in either mode. Where the mask holds,
+    `fn`'s own derivative applies, NaN included: a NaN `x` there stays visible,
+    as does a NaN `otherwise` where the mask does not hold. The plain
+    `jnp.where(mask, fn(x), otherwise)` has the right value and a NaN derivative
+    in `x` wherever `fn`'s derivative is not finite at a masked-out point
+    (`0 · inf`).
+
+    **Derivatives in `fn`'s own parameters** sum over every element, so `fn` must
+    be finite, with finite derivatives, at `fill`: the masked-out points
+    contribute $\partial_\theta f(c) \cdot 0$, which is NaN where
+    $\partial_\theta f(c)$ is not finite. Choose `fill` inside `fn`'s domain (the
+    default 1 suits `log`, `sqrt`, `1/x`, `log1p`, `arccos`'s inverse, ...).
+
+    `fn` must be elementwise (each output element depends on the same element of
+    `x` only), and `x`, `mask` and `otherwise` broadcast together (a 0-d
+    `otherwise` is the usual case). The output has the dtype of `fn(x)` and
+    `otherwise` together.
+
+    **Arguments:**
+
+    - `fn`: an elementwise callable: a function or an `eqx.Module` (whose
+        parameters get their derivatives).
+    - `fill`: where `fn` is evaluated at the masked-out points: a finite number at
+        which `fn` and its derivatives are finite.
+
+    !!! Example
+
+        ```python
+        x = jnp.array([-1.0, 0.0, 2.0])
+        f = lambda x: eqxrules.safe_where(x > 0, jnp.log, x, 0.0).sum()
+        jax.grad(f)(x)  # [0, 0, 0.5], where the plain jnp.where gives NaN at 0
+        ```
+    """
+
+    fn: Callable[[Array], Array] = hyperparameter(function, static=False)
+    fill: float = hyperparameter(1.0, finite)
+
+    elementwise: ClassVar[bool] = False
+    exact: ClassVar[bool] = True
+    domain: ClassVar[Any] = Inputs(
+        mask=Mask(), x=Domain(low=0.25, high=2.0), otherwise=Domain(shape=())
+    )
+
+    summary: ClassVar[str] = (
+        "`where(mask, fn(x), otherwise)`; `fn` evaluated at `fill` where the mask "
+        "is false, so its NaN there reaches no derivative"
+    )
+
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        kinds = {"mask": "bool", "x": "float", "otherwise": "float"}
+        _check_inputs(self.rule_name(), args, kinds)
+
+    def _inside(self, mask: Array, x: Array) -> Array:
+        """`x` where the mask holds, `fill` elsewhere, in `x`'s shape broadcast with
+        the mask's."""
+        shape = jnp.broadcast_shapes(jnp.shape(mask), jnp.shape(x))
+        x = jnp.broadcast_to(x, shape)
+        return jnp.where(mask, x, jnp.asarray(self.fill, x.dtype))
+
+    def _select(self, mask: Array, inside: Array, otherwise: Array) -> Array:
+        dtype = jnp.result_type(inside, otherwise)
+        return jnp.where(mask, inside.astype(dtype), jnp.asarray(otherwise, dtype))
+
+    def primal(
+        self,
+        mask: Bool[Array, "*m"],
+        x: Float[Array, "*x"],
+        otherwise: Array,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Array:
+        fx = call_with_key(self.fn, self._inside(mask, x), key)
+        return self._select(mask, fx, otherwise)
+
+    def tangent(
+        self,
+        args: tuple[Any, ...],
+        t_args: tuple[Any, ...],
+        t_self: Any,
+        out: Any,
+        **kwargs: Any,
+    ) -> Any:
+        (mask, x, _), (_, t_x, t_o) = args, t_args
+        t_fn = None if t_self is None else t_self.fn
+        inside = self._inside(mask, x)
+        t_inside = None
+        if t_x is not None:
+            t_x = jnp.broadcast_to(t_x.astype(x.dtype), inside.shape)
+            t_inside = jnp.where(mask, t_x, jnp.zeros_like(t_x))
+        # `fn`'s own JVP, at `fill` on the masked-out points (finite there), where
+        # it is then selected away: no `0 · inf`, in either mode.
+        key = kwargs.get("key")
+        t_f = partial_jvp(
+            lambda fn, v: call_with_key(fn, v, key), (self.fn, inside), (t_fn, t_inside)
+        )
+        if t_f is None and t_o is None:
+            return None
+        zeros = jnp.zeros(out.shape, out.dtype)
+        t_f = zeros if t_f is None else t_f.astype(out.dtype)
+        t_o = zeros if t_o is None else jnp.asarray(t_o).astype(out.dtype)
+        return jnp.broadcast_to(jnp.where(mask, t_f, t_o), out.shape)
+
+    def reference_forward(
+        self,
+        mask: Array,
+        x: Array,
+        otherwise: Array,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Array:
+        return self._select(mask, call_with_key(self.fn, x, key), otherwise)
+
+    def reference_derivative(
+        self,
+        mask: Array,
+        x: Array,
+        otherwise: Array,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Array:
+        """The double-where trick written out: its plain derivative is the rule's."""
+        safe = jnp.where(mask, x, self.fill)
+        return self._select(mask, call_with_key(self.fn, safe, key), otherwise)
+
+    @classmethod
+    def examples(cls, key: PRNGKeyArray) -> Sequence[SafeWhere]:
+        return [cls(jnp.log), cls(_ScaledLog(jnp.asarray(1.5)), fill=2.0)]
+
+
+class _ScaledLog(eqx.Module):
+    """`scale · log(x)`: an elementwise `fn` with a parameter, for the examples."""
+
+    scale: Array
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        return self.scale.astype(x.dtype) * jnp.log(x)
+
+
+@functional(SafeWhere)
+def safe_where(
+    mask: Bool[ArrayLike, "*m"],
+    fn: Callable[[Array], Array],
+    x: Float[ArrayLike, "*x"],
+    otherwise: ArrayLike,
+    *,
+    fill: float = 1.0,
+) -> Array:
+    return SafeWhere(fn, fill=fill)(mask, x, otherwise)

@@ -1,5 +1,5 @@
-"""Hypothesis strategies for checking rules: arrays in a domain (off its kinks),
-pytrees of arrays, and small `eqx.nn.MLP`s.
+"""Hypothesis strategies for checking rules: arrays in a domain (off its kinks), the
+inputs of a rule of several, pytrees of arrays, and small `eqx.nn.MLP`s.
 
 Needs the `test` extra (`hypothesis`)."""
 
@@ -11,6 +11,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .._domain import Args, Inputs, Mask
 
 try:
     from hypothesis import strategies as st
@@ -82,6 +84,30 @@ def arrays(
         flat[: len(chosen)] = chosen
         x = flat.reshape(shape)
     return jnp.asarray(x, dtype)
+
+
+@st.composite
+def inputs(
+    draw: st.DrawFn,
+    domain: DomainLike | Inputs,
+    *,
+    dtype: Any = jnp.float32,
+    off_kinks: bool = True,
+    with_kinks: bool = False,
+) -> Any:
+    """The input of a rule whose domain is `domain`: an array drawn with
+    [`arrays`][] for a `Domain`, booleans for a `Mask` (of its shape), and for
+    `Inputs` (a rule of several) an `eqxrules.Args` of one such input each."""
+    if isinstance(domain, Inputs):
+        return Args(
+            draw(inputs(d, dtype=dtype, off_kinks=off_kinks, with_kinks=with_kinks))
+            for d in domain.domains
+        )
+    if isinstance(domain, Mask):
+        size = int(np.prod(domain.shape))
+        flags = draw(st.lists(st.booleans(), min_size=size, max_size=size))
+        return jnp.asarray(np.asarray(flags, bool).reshape(domain.shape))
+    return draw(arrays(domain, dtype=dtype, off_kinks=off_kinks, with_kinks=with_kinks))
 
 
 @st.composite

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from conftest import CALL_KEY, examples as _examples
+from conftest import CALL_KEY, call as _call, examples as _examples
 
 import eqxrules
 from eqxrules.testing._tree import (
     assert_trees_close,
+    cast as _tree_cast,
     fill as _fill,
     is_inexact as _is_inexact,
     random_like as _random_like,
@@ -45,9 +46,52 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 @ft.cache
-def _sample(domain: eqxrules.Domain, seed: int) -> np.ndarray:
-    """A float32 input from `domain`, off its kinks, as a host array."""
-    return np.asarray(domain.sample(jax.random.key(seed), jnp.float32, off_kinks=True))
+def _sample(domain: eqxrules.Domain, seed: int) -> Any:
+    """A float32 input from `domain`, off its kinks, as a host array (an `Args` of
+    them for a rule of several inputs)."""
+    x = domain.sample(jax.random.key(seed), jnp.float32, off_kinks=True)
+    return jtu.tree_map(np.asarray, x)
+
+
+def _input(x: Any, dtype: Any) -> Any:
+    """The input `x` (an array, or an `Args`) as device arrays, its floating-point
+    leaves in `dtype` (a boolean mask stays boolean)."""
+    return jtu.tree_map(jnp.asarray, _tree_cast(x, dtype))
+
+
+def _at(xs: Any, i: int) -> Any:
+    """Example `i` of a batch of inputs (`Case.xs`): `xs[i]`, leaf by leaf."""
+    return jtu.tree_map(lambda a: a[i], xs)
+
+
+def _tangent_like(seed: int, x: Any) -> Any:
+    """Random tangents for the input `x`: float0 zeros for a boolean mask, which
+    `jax.jvp` wants there."""
+    t = _random_like(seed, x)
+    return jtu.tree_map(
+        lambda t, a: np.zeros(np.shape(a), jax.dtypes.float0) if t is None else t,
+        t,
+        x,
+        is_leaf=lambda t: t is None,
+    )
+
+
+def _inexact_leaves(tree: Any) -> list[np.ndarray]:
+    """The floating-point leaves of `tree` (float0 and `None` left out), on the
+    host."""
+    return [np.asarray(a) for a in jtu.tree_leaves(tree) if _is_inexact(np.asarray(a))]
+
+
+def _abstract(domain: Any) -> Any:
+    """The input of `domain` as shapes (float32; a mask boolean), unsampled."""
+    if isinstance(domain, eqxrules.Inputs):
+        return eqxrules.Args(
+            jax.ShapeDtypeStruct(
+                d.shape, jnp.bool_ if isinstance(d, eqxrules.Mask) else jnp.float32
+            )
+            for d in domain.domains
+        )
+    return jax.ShapeDtypeStruct(tuple(domain.shape), jnp.float32)
 
 
 def _weights(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -68,8 +112,9 @@ def _assert_close(
     assert_trees_close(actual, expected, what, rtol=rtol, atol=atol, exact=exact)
 
 
-def _moveaxis(a: Any) -> np.ndarray:
-    return np.moveaxis(np.asarray(a), 0, -1)
+def _moveaxis(a: Any) -> Any:
+    """Each leaf's leading axis moved last."""
+    return jtu.tree_map(lambda a: np.moveaxis(np.asarray(a), 0, -1), a)
 
 
 def _batch_axes(rule: Any) -> Any:
@@ -187,25 +232,32 @@ class Case:
     def domain(self) -> eqxrules.Domain:
         return self.rule.input_domain()
 
-    def x(self, seed: int = 1, dtype: Any = np.float32) -> jax.Array:
-        return jnp.asarray(_sample(self.domain, seed).astype(dtype))
+    @property
+    def several(self) -> bool:
+        """Whether the rule takes several inputs (its `x` an `eqxrules.Args`)."""
+        return isinstance(self.domain, eqxrules.Inputs)
 
-    def xs(self, n: int = BATCH, dtype: Any = np.float32) -> jax.Array:
+    def x(self, seed: int = 1, dtype: Any = np.float32) -> Any:
+        """An input: an array, or for a rule of several inputs an `Args`."""
+        return _input(_sample(self.domain, seed), dtype)
+
+    def xs(self, n: int = BATCH, dtype: Any = np.float32) -> Any:
+        """`n` inputs stacked on a leading axis (leaf by leaf; `_at(xs, i)`)."""
         samples = [_sample(self.domain, 10 + i) for i in range(n)]
-        return jnp.asarray(np.stack(samples).astype(dtype))
+        return _input(jtu.tree_map(lambda *a: np.stack(a), *samples), dtype)
 
     def f(self, rule: Any, x: Any) -> Any:
-        return rule(x, **self.kwargs)
+        return _call(rule, x, **self.kwargs)
 
     def reference(self, rule: Any, x: Any) -> Any:
         """A function whose plain autodiff derivative is the rule's (only for
         entries without `reference_vjp`)."""
-        return rule.reference_derivative(x, **self.kwargs)
+        return _call(rule.reference_derivative, x, **self.kwargs)
 
     def truth(self, rule: Any, x: Any) -> Any:
         """The plain composition that higher derivatives are checked against."""
         if self.entry.reference_vjp:
-            return rule.reference_forward(x, **self.kwargs)
+            return _call(rule.reference_forward, x, **self.kwargs)
         return self.reference(rule, x)
 
     def reference_grads(self, rule: Any, x: Any, loss=_loss) -> Any:
@@ -216,7 +268,8 @@ class Case:
             return _grads(self.reference, rule, x, loss)
         out = self.f(rule, x)
         ct = _fill(eqx.filter_grad(loss)(out), eqx.filter(out, eqx.is_inexact_array))
-        ct_rule, ct_x = rule.reference_vjp(ct, x, **self.kwargs)
+        ct_rule, *ct_x = _call(ft.partial(rule.reference_vjp, ct), x, **self.kwargs)
+        ct_x = eqxrules.Args(ct_x) if self.several else ct_x[0]
         return _fill((ct_rule, ct_x), eqx.filter((rule, x), eqx.is_inexact_array))
 
 
@@ -327,8 +380,7 @@ def _richest_index(entry: eqxrules.Entry) -> int:
     counts = []
     for i in range(len(_examples(entry))):
         case = Case(entry, i)
-        x = jax.ShapeDtypeStruct(tuple(case.domain.shape), jnp.float32)
-        out = eqx.filter_eval_shape(case.f, case.rule, x)
+        out = eqx.filter_eval_shape(case.f, case.rule, _abstract(case.domain))
         counts.append(len(jtu.tree_leaves(out)))
     return int(np.argmax(counts))
 
@@ -354,5 +406,5 @@ class _Holder(eqx.Module):
     count: int = 3
 
     def __call__(self, x: Any) -> dict[str, Any]:
-        out = self.rule(x, **self.kwargs)
+        out = _call(self.rule, x, **self.kwargs)
         return {"out": out, "label": self.label, "count": self.count}

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from conftest import call as _call
 
+from eqxrules import Args, Inputs, Mask
 from eqxrules.testing import DEFAULT_TOLERANCES
 from eqxrules.testing._compat import enable_x64
 from eqxrules.testing._tree import (
@@ -125,6 +127,24 @@ def _integer_input_rejected(case: Case, dtype: str) -> None:
             jax.grad(lambda x: _loss(case.f(rule, x)), allow_int=True)(x)
 
 
+@situation("integer_inputs", examples=_when(lambda e: isinstance(e.domain, Inputs)))
+def _integer_inputs_rejected(case: Case, dtype: str) -> None:
+    """A rule of several inputs rejects an integer array for each floating-point
+    input (and a float array for a boolean mask) with a `TypeError` naming that
+    input, also under `jit`, `vmap` and `grad`."""
+    rule, x = case.rule, case.x()
+    for j, (name, d) in enumerate(zip(case.domain.names, case.domain.domains)):
+        wrong = np.float32 if isinstance(d, Mask) else np.int32
+        bad = Args((*x[:j], jnp.zeros(np.shape(x[j]), wrong), *x[j + 1 :]))
+        match = f"`{case.entry.name}`.*`{name}`"
+        with pytest.raises(TypeError, match=match):
+            jax.jit(lambda x: case.f(rule, x))(bad)
+        with pytest.raises(TypeError, match=match):
+            jax.vmap(lambda x: case.f(rule, x))(jtu.tree_map(lambda a: a[None], bad))
+        with pytest.raises(TypeError, match=match):
+            jax.grad(lambda x: _loss(case.f(rule, x)), allow_int=True)(bad)
+
+
 @situation("integer_passthrough", examples=_when(lambda e: e.module.pytree_input))
 def _integer_passthrough(case: Case, dtype: str) -> None:
     """A pytree rule passes integer and bool arrays through unchanged, with a
@@ -171,13 +191,18 @@ def _dtype_checks(case: Case, dtype: Any) -> None:
         results = dict(
             out=eqx.filter(f(rule, x), eqx.is_inexact_array),
             ref_out=eqx.filter(
-                rule_w.reference_forward(x_w, **case.kwargs), eqx.is_inexact_array
+                _call(rule_w.reference_forward, x_w, **case.kwargs),
+                eqx.is_inexact_array,
             ),
             grads=_grads(f, rule, x),
             ref_grads=case.reference_grads(rule_w, x_w),
         )
         if case.entry.forward_mode:
-            results["jvp"] = jax.jvp(lambda x: f(rule, x), (x,), (x,))[1]
+            # Along the floating-point inputs themselves (a mask held fixed).
+            d, fixed = eqx.partition(x, eqx.is_inexact_array)
+            results["jvp"] = jax.jvp(
+                lambda d: f(rule, eqx.combine(d, fixed)), (d,), (d,)
+            )[1]
         return results
 
     r = _jit(one)(rule, x)

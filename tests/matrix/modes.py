@@ -12,6 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 
+import eqxrules
 from eqxrules.testing._tree import (
     assert_finite as _assert_finite,
     assert_zero as _assert_zero,
@@ -22,9 +23,11 @@ from eqxrules.testing._tree import (
 from .harness import (
     Case,
     _assert_close,
+    _at,
     _baseline,
     _curved_loss,
     _first_higher_order,
+    _inexact_leaves,
     _jit,
     _loss,
     _out_cotangent,
@@ -109,16 +112,22 @@ def _second_order(case: Case, dtype: str) -> None:
     `jacfwd∘jacrev` and `grad∘checkpoint∘grad` equal the plain composition of the
     reference, for a loss that is not linear in the output."""
     rule, x = case.rule, case.x()
-    v = _weights(x.shape, x.dtype)
+    # With respect to the floating-point inputs (a mask is held as it is).
+    x, fixed = eqx.partition(x, eqx.is_inexact_array)
+    v = jtu.tree_map(lambda a: _weights(a.shape, a.dtype), x)
     forward = case.entry.forward_mode
 
     def compose(f):
+        def g(rule, x):
+            return f(rule, eqx.combine(x, fixed))
+
         def inner(rule, x):
-            return eqx.filter_grad(lambda x: _curved_loss(f(rule, x)))(x)
+            return eqx.filter_grad(lambda x: _curved_loss(g(rule, x)))(x)
 
         def outer(rx, checkpoint=False):
-            g = eqx.filter_checkpoint(inner) if checkpoint else inner
-            return jnp.vdot(v, g(*rx))
+            grad = eqx.filter_checkpoint(inner) if checkpoint else inner
+            dots = jtu.tree_map(jnp.vdot, v, grad(*rx))
+            return sum(jtu.tree_leaves(dots), jnp.zeros((), jnp.float32))
 
         results = dict(
             grad_grad=eqx.filter_grad(outer)((rule, x)),
@@ -129,10 +138,10 @@ def _second_order(case: Case, dtype: str) -> None:
         if forward:
 
             def scalar(x):
-                return _curved_loss(f(rule, x))
+                return _curved_loss(g(rule, x))
 
             def vector(x):
-                return eqx.filter(f(rule, x), eqx.is_inexact_array)
+                return eqx.filter(g(rule, x), eqx.is_inexact_array)
 
             results["hessian"] = jax.hessian(scalar)(x)
             results["jacfwd_jacrev"] = jax.jacfwd(jax.jacrev(vector))(x)
@@ -160,28 +169,46 @@ def _symbolic_zeros(case: Case, dtype: str) -> None:
             only_x=eqx.filter_grad(lambda x: _loss(f(rule, x)))(x),
             only_rule=eqx.filter_grad(lambda r: _loss(f(r, x)))(rule),
         )
+        if case.several:
+
+            def alone(j):
+                def loss(a):
+                    return _loss(f(rule, eqxrules.Args((*x[:j], a, *x[j + 1 :]))))
+
+                return eqx.filter_grad(loss)(x[j])
+
+            results["only_input"] = [alone(j) for j in range(len(x))]
         if case.entry.forward_mode:
+            # This `x`'s floating-point leaves (`d_x`) and the rest (a mask).
+            d_x, x_static = eqx.partition(x, eqx.is_inexact_array)
 
             def F(d):
-                return eqx.filter(f(*eqx.combine(d, static)), eqx.is_inexact_array)
+                r, x = eqx.combine(d, (static[0], x_static))
+                return eqx.filter(f(r, x), eqx.is_inexact_array)
 
             (d_rule, _), (t_rule, t_x) = d, t
-            results["jvp_x"] = jax.jvp(lambda x: F((d_rule, x)), (x,), (t_x,))[1]
-            results["jvp_rule"] = jax.jvp(lambda r: F((r, x)), (d_rule,), (t_rule,))[1]
-            results["jvp_both"] = jax.jvp(F, ((d_rule, x),), (t,))[1]
-            results["jvp_zero"] = jax.jvp(F, ((d_rule, x),), (zeros,))[1]
+            results["jvp_x"] = jax.jvp(lambda x: F((d_rule, x)), (d_x,), (t_x,))[1]
+            results["jvp_rule"] = jax.jvp(lambda r: F((r, d_x)), (d_rule,), (t_rule,))[
+                1
+            ]
+            results["jvp_both"] = jax.jvp(F, ((d_rule, d_x),), (t,))[1]
+            results["jvp_zero"] = jax.jvp(F, ((d_rule, d_x),), (zeros,))[1]
         return results
 
     grid = _jit(lambda x, xs: (parts(x), eqx.filter_vmap(parts)(xs)))(x, xs)
     for where, r, at in (
         ("jit", grid[0], x),
-        ("jit∘vmap", _first_slice(grid[1]), xs[0]),
+        ("jit∘vmap", _first_slice(grid[1]), _at(xs, 0)),
     ):
         _assert_finite(r, f"{where}: ")
         g_rule, g_x = _baseline(case)(rule, at)[1]
         _assert_close(r["only_x"], g_x, f"{where}: grad wrt x alone")
         _assert_close(r["only_rule"], g_rule, f"{where}: grad wrt the rule alone")
-        _assert_zero(np.asarray(r["only_x"])[np.asarray(g_x) == 0], f"{where}: ")
+        for got, full in zip(_inexact_leaves(r["only_x"]), _inexact_leaves(g_x)):
+            _assert_zero(got[full == 0], f"{where}: ")
+        # Each input alone, the others held fixed (`None` tangents).
+        for j, alone in enumerate(r.get("only_input", [])):
+            _assert_close(alone, g_x[j], f"{where}: grad wrt input {j} alone")
         if case.entry.forward_mode:
             summed = jtu.tree_map(np.add, r["jvp_x"], r["jvp_rule"])
             _assert_close(summed, r["jvp_both"], f"{where}: jvp split")
@@ -194,7 +221,7 @@ def _zero_cotangent(case: Case, dtype: str) -> None:
     running the same backward pass twice, in one trace or in two calls, gives
     bit-identical results."""
     rule, xs = case.rule, case.xs()
-    ct = _out_cotangent(case, rule, xs[0], 8)
+    ct = _out_cotangent(case, rule, _at(xs, 0), 8)
 
     def pullback(rule, x, ct):
         _, pull = eqx.filter_vjp(lambda rx: case.f(*rx), (rule, x))

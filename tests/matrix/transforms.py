@@ -22,6 +22,7 @@ from .harness import (
     BATCH,
     Case,
     _assert_close,
+    _at,
     _baseline,
     _batch_axes,
     _checking_leaks,
@@ -29,6 +30,7 @@ from .harness import (
     _every,
     _grads,
     _Holder,
+    _inexact_leaves,
     _jit,
     _loss,
     _moveaxis,
@@ -36,7 +38,7 @@ from .harness import (
     _out_cotangent,
     _perturbed,
     _pullback,
-    _random_like,
+    _tangent_like,
     situation,
 )
 
@@ -57,14 +59,14 @@ def _jit_grad(case: Case, dtype: str) -> None:
         values = eqx.filter_vmap(lambda h, x: h(x)["out"], in_axes=(None, 0))(
             holder, xs
         )
-        grads = eqx.filter_grad(lambda h: _loss(h(xs[0])["out"]))(holder)
+        grads = eqx.filter_grad(lambda h: _loss(h(_at(xs, 0))["out"]))(holder)
         return eqx.filter(values, eqx.is_array), grads
 
     values, grads = held(_Holder(rule, case.kwargs), xs)
     for i in range(BATCH):
         v_i = jtu.tree_map(lambda a, i=i: np.asarray(a)[i], values)
-        _assert_close(v_i, _baseline(case)(rule, xs[i])[0], f"filter_vmap[{i}]")
-    g_rule = _baseline(case)(rule, xs[0])[1][0]
+        _assert_close(v_i, _baseline(case)(rule, _at(xs, i))[0], f"filter_vmap[{i}]")
+    g_rule = _baseline(case)(rule, _at(xs, 0))[1][0]
     _assert_close(grads.rule, g_rule, "filter_grad of a Module holding the rule")
     assert grads.label is None and grads.count is None
 
@@ -79,7 +81,7 @@ def _vmap(case: Case, dtype: str) -> None:
     xs = [case.x(20 + i) for i in range(BATCH)]
     cts = [_out_cotangent(case, rule, xs[0], 30 + i) for i in range(BATCH)]
     R = _stack(rules, where=eqx.is_inexact_array)
-    X, CT = jnp.asarray(_moveaxis(np.stack(xs))), _stack(cts)
+    X, CT = jtu.tree_map(jnp.asarray, _moveaxis(_stack(xs))), _stack(cts)
     axes = _batch_axes(rule)
     in_axes = (axes, -1, 0)
 
@@ -123,7 +125,7 @@ def _control_flow(case: Case, dtype: str) -> None:
     branches taken): value and gradient equal the unrolled computation, and so
     does, with forward mode, the JVP through `scan`."""
     rule, xs, f = case.rule, case.xs(), case.f
-    t = _random_like(6, xs)
+    t = _tangent_like(6, xs)
 
     def scanned(rule, xs):
         def body(c, x):
@@ -133,7 +135,7 @@ def _control_flow(case: Case, dtype: str) -> None:
 
     def fori(rule, xs):
         def body(i, c):
-            return c + _loss(f(rule, xs[i]))
+            return c + _loss(f(rule, _at(xs, i)))
 
         return jax.lax.fori_loop(0, BATCH, body, jnp.zeros((), jnp.float32))
 
@@ -141,7 +143,9 @@ def _control_flow(case: Case, dtype: str) -> None:
     def program(rule, xs, p):
         def cond(rule, xs):
             return jax.lax.cond(
-                p, lambda: _loss(f(rule, xs[0])), lambda: _loss(f(rule, xs[1]))
+                p,
+                lambda: _loss(f(rule, _at(xs, 0))),
+                lambda: _loss(f(rule, _at(xs, 1))),
             )
 
         def value_and_grad(fn):
@@ -157,15 +161,15 @@ def _control_flow(case: Case, dtype: str) -> None:
         return results
 
     # The unrolled computation, from the plainly jitted rule.
-    base = [_baseline(case)(rule, xs[i]) for i in range(BATCH)]
+    base = [_baseline(case)(rule, _at(xs, i)) for i in range(BATCH)]
     losses = [_np_loss(out) for out, _ in base]
     g_rules = [g[0] for _, g in base]
-    g_xs = [np.asarray(g[1]) for _, g in base]
+    g_xs = [jtu.tree_map(np.asarray, g[1]) for _, g in base]
 
     def only(i):
-        return np.stack([g if j == i else np.zeros_like(g) for j, g in enumerate(g_xs)])
+        return _stack([g if j == i else _zeros_like(g) for j, g in enumerate(g_xs)])
 
-    unrolled = (np.float32(sum(losses)), (_sum(g_rules), np.stack(g_xs)))
+    unrolled = (np.float32(sum(losses)), (_sum(g_rules), _stack(g_xs)))
     for p in (True, False):
         r = program(rule, xs, jnp.asarray(p))
         _assert_close(r["scan"], unrolled, "scan")
@@ -174,7 +178,14 @@ def _control_flow(case: Case, dtype: str) -> None:
         branch = (np.float32(losses[i]), (g_rules[i], only(i)))
         _assert_close(r["cond"], branch, f"cond({p})")
         if case.entry.forward_mode:
-            jvp = sum(float(np.vdot(g, np.asarray(t_i))) for g, t_i in zip(g_xs, t))
+            t_i = [
+                jtu.tree_map(lambda a, i=i: np.asarray(a)[i], t) for i in range(BATCH)
+            ]
+            jvp = sum(
+                float(np.vdot(g, t))
+                for g_x, t_x in zip(g_xs, t_i)
+                for g, t in zip(*(_inexact_leaves(v) for v in (g_x, t_x)))
+            )
             _assert_close(r["jvp"], np.float32(jvp), "jvp through scan")
 
 
