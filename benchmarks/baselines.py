@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 import eqxrules
+from eqxrules._domain import call
 
 from . import learned
 
@@ -53,7 +54,7 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
         return eqx.combine(dyn, static)
 
     def ours(dyn, x):
-        return rebuild(dyn)(x, **kw)
+        return call(rebuild(dyn), x, **kw)
 
     variants: dict[str, Callable] = {"eqxrules": ours}
     if isinstance(rule, eqxrules.JVPRule):
@@ -70,8 +71,8 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
             # `d + stop_gradient(f - d)`, with `f` the rule's method `value`.
             def trick(dyn, x):
                 r = rebuild(dyn)
-                d = r.reference_derivative(x, **kw)
-                f = getattr(r, value)(x, **kw)
+                d = call(r.reference_derivative, x, **kw)
+                f = call(getattr(r, value), x, **kw)
                 return jtu.tree_map(lambda d, f: d + jax.lax.stop_gradient(f - d), d, f)
 
             return trick
@@ -132,18 +133,32 @@ def _with_tangent(value, tangent, primals, tangents):
 def _hand_jvp(rebuild: Callable, kw: dict[str, Any]) -> Callable:
     def tangent(primals, tangents, out):
         (dyn, x), (t_dyn, t_x) = primals, tangents
-        t = rebuild(dyn).tangent((x,), (t_x,), t_dyn, out, **kw)
+        t = rebuild(dyn).tangent(_args(x), _args(t_x, x), t_dyn, out, **kw)
         return _instantiate(t, out)
 
-    return _custom_jvp(lambda dyn, x: rebuild(dyn).primal(x, **kw), tangent)
+    return _custom_jvp(lambda dyn, x: call(rebuild(dyn).primal, x, **kw), tangent)
 
 
 def _ref_jvp(rebuild: Callable, kw: dict[str, Any]) -> Callable:
     def tangent(primals, tangents, out):
-        derivative = lambda d, x: rebuild(d).reference_derivative(x, **kw)  # noqa: E731
+        derivative = lambda d, x: call(rebuild(d).reference_derivative, x, **kw)  # noqa: E731
         return jax.jvp(derivative, primals, tangents)[1]
 
-    return _custom_jvp(lambda dyn, x: rebuild(dyn).reference_forward(x, **kw), tangent)
+    return _custom_jvp(
+        lambda dyn, x: call(rebuild(dyn).reference_forward, x, **kw), tangent
+    )
+
+
+def _args(x: Any, like: Any = None) -> tuple[Any, ...]:
+    """The arguments of a rule's `tangent`: `(x,)`, or each input of the `Args` of
+    a rule of several (a boolean input's float0 tangent as `None`, as
+    `eqx.filter_custom_jvp` gives it)."""
+    like = x if like is None else like
+    if not isinstance(like, eqxrules.Args):
+        return (x,)
+    return tuple(
+        None if getattr(t, "dtype", None) == jax.dtypes.float0 else t for t in x
+    )
 
 
 def _instantiate(t: Any, like: Any) -> Any:

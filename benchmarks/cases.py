@@ -71,12 +71,24 @@ def classify(rule: Any, kw: dict[str, Any], width: int) -> str:
     return "mlp"
 
 
-def domain_batch(entry: Any, batch: int) -> jax.Array:
-    """`batch` inputs drawn from the entry's domain."""
-    dom = entry.domain
-    return jax.random.uniform(
-        jax.random.key(7), (batch, *dom.shape), minval=dom.low, maxval=dom.high
-    )
+def domain_batch(entry: Any, batch: int) -> Any:
+    """`batch` inputs drawn from the entry's domain (an `eqxrules.Args` of them,
+    each from its own domain, for a rule of several inputs; a mask half true)."""
+    return _batch(entry.domain, batch, jax.random.key(7))
+
+
+def _batch(dom: Any, batch: int, key: Any) -> Any:
+    if isinstance(dom, eqxrules.Inputs):
+        keys = jax.random.split(key, len(dom.domains))
+        return eqxrules.Args(_batch(d, batch, k) for d, k in zip(dom.domains, keys))
+    if isinstance(dom, eqxrules.Mask):
+        return jax.random.bernoulli(key, 0.5, (batch, *dom.shape))
+    return jax.random.uniform(key, (batch, *dom.shape), minval=dom.low, maxval=dom.high)
+
+
+def elements(x: Any) -> int:
+    """The floating-point elements of an input (of each input, for `Args`)."""
+    return sum(int(a.size) for a in jtu.tree_leaves(x) if eqx.is_inexact_array(a))
 
 
 def cases_for(
@@ -277,7 +289,7 @@ def _batched_case(entry, i, label, rule, variants, sizes) -> Case:
         {v: make(fn) for v, fn in variants.items()},
         (dyn, xs),
         cts,
-        int(xs.size),
+        elements(xs),
     )
 
 

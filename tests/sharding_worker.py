@@ -44,6 +44,7 @@ import sharding_qdot  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxrules  # noqa: E402
+from eqxrules._domain import call  # noqa: E402
 
 OLD_SHARD_MAP = not hasattr(jax, "shard_map")
 if not OLD_SHARD_MAP:  # public as `jax.shard_map` from jax 0.7
@@ -120,19 +121,21 @@ def check_entry(entry: eqxrules.Entry, mesh) -> list[str]:
     keeps_layout = _plain_custom_jvp_keeps_layout(mesh)
     rules = _examples(entry)
     kwargs = [rule.call_kwargs(jax.random.key(2)) for rule in rules]
-    xs = np.stack(
-        [np.asarray(entry.domain.sample(jax.random.key(100 + i))) for i in range(BATCH)]
-    )
+    # One input per row (an `eqxrules.Args` of them for a rule of several).
+    samples = [entry.domain.sample(jax.random.key(100 + i)) for i in range(BATCH)]
+    xs = jtu.tree_map(lambda *a: np.stack([np.asarray(b) for b in a]), *samples)
     params, static = eqx.partition(rules, eqx.is_inexact_array)
 
     def value_and_grad(params, xs):
-        def loss(params, xs, i):
+        def loss(params_and_xs, i):
+            params, xs = params_and_xs
             rule = eqx.combine(params, static[i])
-            return jnp.sum(jax.vmap(lambda x: _loss(rule(x, **kwargs[i])))(xs))
+            return jnp.sum(jax.vmap(lambda x: _loss(call(rule, x, **kwargs[i])))(xs))
 
+        # With respect to the parameters and every floating-point input (a mask
+        # gets `None`).
         return [
-            jax.value_and_grad(loss, argnums=(0, 1))(p, xs, i)
-            for i, p in enumerate(params)
+            eqx.filter_value_and_grad(loss)((p, xs), i) for i, p in enumerate(params)
         ]
 
     def local(params, xs):
@@ -175,7 +178,8 @@ def check_entry(entry: eqxrules.Entry, mesh) -> list[str]:
             continue
         for i, (result, expected) in enumerate(zip(results, reference)):
             failures += _compare(result, expected, f"example {i}: {name}")
-            if keeps_layout and result[1][1].sharding.is_fully_replicated:
+            g_x = jtu.tree_leaves(result[1][1])[0]
+            if keeps_layout and g_x.sharding.is_fully_replicated:
                 failures.append(
                     f"example {i}: {name}: the batch gradient is replicated"
                 )

@@ -45,6 +45,9 @@ from matrix.harness import (
     _first,
 )
 
+import eqxrules
+from eqxrules._registry import entry_of
+
 # The slow tier: every entry through every transformation. Each entry's first example
 # also runs at the minimum versions in CI (tests/conftest.py).
 pytestmark = [pytest.mark.slow, pytest.mark.catalogue_wide]
@@ -88,6 +91,8 @@ def test_every_entry_gets_the_situations_its_data_implies():
         }
         assert ("integer_input" in mine) == entry.elementwise
         assert ("pytree_input" in mine) == entry.module.pytree_input
+        several = isinstance(entry.domain, eqxrules.Inputs)
+        assert ("integer_inputs" in mine) == several
         higher = any(r.higher_order() for r in _examples(entry))
         assert ("second_order" in mine) == higher
 
@@ -104,3 +109,35 @@ def test_the_leak_check_still_finds_a_leak():
 @pytest.mark.parametrize("entry,index,situation,dtype", MATRIX)
 def test_matrix(entry, index, situation, dtype):
     SITUATIONS[situation].run(Case(entry, index), dtype)
+
+
+# Planted defects for the situations of rules of several inputs: each must fail.
+
+
+class _UncheckedDivide(eqxrules.SafeDivide):
+    """Planted: checks neither input, so an integer `b` is silently converted."""
+
+    def _check_call(self, args):
+        pass
+
+
+class _DropsB(eqxrules.SafeDivide):
+    """Planted: `b`'s tangent is dropped whenever `a` has one too."""
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        t_a, t_b = t_args
+        dropped = (t_a, None) if t_a is not None else (t_a, t_b)
+        return super().tangent(args, dropped, t_self, out, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "rule,situation",
+    [(_UncheckedDivide, "integer_inputs"), (_DropsB, "symbolic_zeros")],
+)
+def test_the_situations_of_several_inputs_catch_planted_defects(rule, situation):
+    case = Case(entry_of(rule), 0)
+    # A failed assertion, or pytest's "DID NOT RAISE" (not an `Exception`).
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        SITUATIONS[situation].run(case, "float32")
+    # The real rule passes the same situation.
+    SITUATIONS[situation].run(Case(entry_of(eqxrules.SafeDivide), 0), "float32")

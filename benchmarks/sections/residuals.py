@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import report, xla
 from ..baselines import VARIANTS, build_variants
-from ..cases import classify, domain_batch, rule_label
+from ..cases import classify, domain_batch, elements, rule_label
 from ..config import Job
 
 NAME = "residuals"
@@ -59,7 +59,7 @@ def run(job: Job) -> dict[str, Any]:
                 entry=entry.name,
                 example=i,
                 rule=rule_label(rule),
-                elements=int(x.size),
+                elements=elements(x),
                 needed=_needed_bytes(entry, rule, kw, x) if kind != "batched" else None,
                 variants={},
             )
@@ -83,8 +83,8 @@ def _saved(f: Any, x: jax.Array) -> dict[str, Any]:
     except Exception as e:
         return dict(error=f"{type(e).__name__}: {e}"[:160])
     return dict(
-        outside=outside / x.size,
-        inside=inside / x.size,
+        outside=outside / elements(x),
+        inside=inside / elements(x),
         saved=[
             f"{a.str_short(short_dtypes=True)} {_short_source(s)}" for a, s in saved
         ],
