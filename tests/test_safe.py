@@ -593,6 +593,7 @@ class _NaiveDivide(eqxrules.SafeDivide):
         return (t_a - out * t_b) / b
 
 
+@pytest.mark.slow  # verify_rule on two rule classes
 def test_verify_rule_names_the_zero_divisor():
     """`verify_rule` on a rule of several inputs checks each input's kinks and
     degenerate values: the plain tangent fails where `b` is 0, named."""
