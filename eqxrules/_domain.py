@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
+
+from .testing._args import Args as Args, call as call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Domain:
     - `shape`: the shape of a test input.
     - `margin`: the distance kept from each kink when sampling off kinks.
     """
+
+    boolean: ClassVar[bool] = False  # a `Mask`: boolean inputs
 
     low: float = -2.0
     high: float = 2.0
@@ -161,6 +164,8 @@ class Mask(Domain):
     - `shape`: the shape of a test input.
     """
 
+    boolean: ClassVar[bool] = True
+
     def __init__(self, shape: tuple[int, ...] = (4, 3)) -> None:
         super().__init__(low=0.0, high=1.0, shape=tuple(shape))
 
@@ -174,36 +179,17 @@ class Mask(Domain):
         return jnp.asarray(flags.reshape(self.shape))
 
     def on_kinks(self, key: PRNGKeyArray, dtype: Any = jnp.float32) -> list[Array]:
+        """One random mask (a mask has no kinks)."""
         return [self.sample(key)]
 
     def degenerate(
         self, key: PRNGKeyArray, dtype: Any = jnp.float32
     ) -> list[tuple[str, Array]]:
+        """Every element `False`, and every element `True`."""
         return [
             ("a mask of every element `False`", jnp.zeros(self.shape, bool)),
             ("a mask of every element `True`", jnp.ones(self.shape, bool)),
         ]
-
-
-class Args(tuple):  # noqa: SLOT001  (a pytree node, registered below)
-    """The test inputs of a rule of several inputs, one per [`Inputs`][] entry: the
-    rule is called as `rule(*args)`. A pytree (a tuple subclass JAX maps over), so
-    that a transformation of the inputs (`vmap`, a dtype cast with
-    `jax.tree_util.tree_map`) gives `Args` again, and a rule of one input (whose
-    test input is an array, or any pytree) is never mistaken for one of several."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"Args{tuple(self)!r}"
-
-
-jtu.register_pytree_node(Args, lambda a: (tuple(a), None), lambda _, c: Args(c))
-
-
-def call(f: Any, x: Any, **kwargs: Any) -> Any:
-    """`f(*x)` for the [`Args`][] of a rule of several inputs, else `f(x)`."""
-    return f(*x, **kwargs) if isinstance(x, Args) else f(x, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -236,6 +222,7 @@ class Inputs:
 
     @property
     def kinks(self) -> tuple[float, ...]:
+        """Every input's kinks together, sorted."""
         return tuple(sorted({k for d in self.domains for k in d.kinks}))
 
     @property
@@ -245,6 +232,7 @@ class Inputs:
 
     @property
     def margin(self) -> float:
+        """The largest of the inputs' margins."""
         return max(d.margin for d in self.domains)
 
     def with_kinks(self, kinks: Sequence[float]) -> Inputs:
