@@ -270,10 +270,14 @@ def _batched_case(entry, i, label, rule, variants, sizes) -> Case:
         lambda s: jax.random.normal(jax.random.key(8), s.shape, s.dtype), shapes
     )
 
+    # Differentiated in the rule's arrays and the floating-point inputs; a
+    # boolean input (a mask) is held as data.
+    xs, fixed = eqx.partition(xs, eqx.is_inexact_array)
+
     def make(fn):
         def loss(params, data):
             d, xs = params
-            out = jax.vmap(lambda x: fn(d, x))(xs)
+            out = jax.vmap(lambda x: fn(d, x))(eqx.combine(xs, fixed))
             return sum(
                 jnp.sum(o * c)
                 for o, c in zip(jtu.tree_leaves(out), jtu.tree_leaves(data))
