@@ -260,8 +260,11 @@ def _positional_matches_keywords(function: Any, entry: eqxrules.Entry) -> None:
             )
 
         def by_keyword(d):
-            inputs = {n: a for n, a in given(d).items() if n not in fields}
-            return entry.function(**inputs, **hyper, **keyed)
+            inputs = given(d)
+            by_name = {
+                n: values.get(n, inputs.get(n)) for n in names if n not in fields
+            }
+            return entry.function(**by_name, **hyper, **keyed)
 
         # With respect to the floating-point inputs (a mask is held fixed).
         d, fixed = eqx.partition(jtu.tree_map(jnp.asarray, x), eqx.is_inexact_array)

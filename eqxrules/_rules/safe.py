@@ -254,10 +254,17 @@ class SafeNormalize(_Reduction):
         return jnp.where(n == 0, 0, w / jnp.where(n == 0, 1, n)).astype(x.dtype)
 
     def reference_derivative(self, x: Array) -> Array:
+        """`u / ‖u‖` with `u = x / m`, `m` the slice's largest magnitude (held
+        constant): `u` and `‖u‖` are of order 1, so the plain derivative
+        `(I − y yᵀ) / (m ‖u‖)` neither overflows nor underflows where `‖x‖²` would
+        (a slice of magnitude 1e-30, say). 0 on a zero slice; NaN on a NaN one."""
         w = x.astype(wide(x.dtype))
-        n = _reference_norm(w, self.axis)
-        zero = n == 0
-        return jnp.where(zero, 0 * w, w / jnp.where(zero, 1, n)).astype(x.dtype)
+        m = jax.lax.stop_gradient(jnp.max(jnp.abs(w), axis=self.axis, keepdims=True))
+        zero = m == 0
+        u = w / jnp.where(zero, 1, m)
+        s = jnp.sum(jnp.square(u), axis=self.axis, keepdims=True)
+        y = u / jnp.sqrt(jnp.where(zero, 1, s))
+        return jnp.where(zero, 0 * w, y).astype(x.dtype)
 
     @classmethod
     def examples(cls, key: PRNGKeyArray) -> Sequence[SafeNormalize]:
