@@ -594,13 +594,19 @@ class SafeDivide(JVPRule):
         return jnp.where(wb == 0, 0, wa / wb).astype(dtype)
 
     def reference_derivative(self, a: Array, b: Array) -> Array:
-        """`a · r` with the reciprocal `r` of `b` 0 where `b` is: its plain
-        derivative is 0 there (for a finite `a`) in `a` and in `b`."""
+        """`(a·2^-e) / f` with `b = f·2^e` (`frexp`; the power of two held
+        constant): the same quotient, exactly, whose plain derivative in `b`,
+        `-(a·2^-e)/f² · 2^-e`, squares a number of order 1 where `-a/b²` would
+        square `b` (and overflow at `b` near 1e-32, making `0 · inf` of a zero
+        derivative). 0 where `b` is, with zero derivatives (for a finite `a`)."""
         dtype = _float_dtype(a, b)
         wa, wb = jnp.asarray(a, wide(dtype)), jnp.asarray(b, wide(dtype))
         zero = wb == 0
-        r = jnp.where(zero, 0 * wb, 1 / jnp.where(zero, 1, wb))
-        return (wa * r).astype(dtype)
+        info = jnp.finfo(wb.dtype)
+        _, e = jnp.frexp(jax.lax.stop_gradient(jnp.where(zero, 1, wb)))
+        k = _pow2(-jnp.clip(e, info.minexp + 2, info.maxexp - 2), wb.dtype)
+        q = (wa * k) / jnp.where(zero, 1, wb * k)
+        return jnp.where(zero, jnp.zeros_like(q), q).astype(dtype)
 
 
 @functional(SafeDivide)
