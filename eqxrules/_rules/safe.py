@@ -60,21 +60,33 @@ def _pow2(k: Array, dtype: Any) -> Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _exponent_part(m: Array) -> Array:
+    r"""$2^{\lfloor \log_2 m \rfloor}$ for a normal positive `m` (float32 or
+    float64), from its exponent bits alone: 0 for 0 or a subnormal, inf for inf or
+    NaN. Two bitcasts and an `and`, where `frexp` costs a dozen operations."""
+    info = jnp.finfo(m.dtype)
+    ints = jnp.int64 if m.dtype == jnp.float64 else jnp.int32
+    mask = ((1 << info.nexp) - 1) << info.nmant  # the exponent field
+    bits = jax.lax.bitcast_convert_type(m, ints) & jnp.asarray(mask, ints)
+    return jax.lax.bitcast_convert_type(bits, m.dtype)
+
+
 def _scaled_norm(w: Array, axis: _Axis) -> Array:
     """The Euclidean norm of `w` (float32 or float64) along `axis`, kept dims.
 
-    `w` is scaled by a power of two near its slice's largest magnitude before
+    `w` is scaled by a power of two $p$ near its slice's largest magnitude before
     squaring, and the norm scaled back. A power of two scales every square and the
     square root exactly (the scale of a square is an even power), so where the
     plain sum of squares neither overflows nor underflows this is the plain
-    `sqrt(sum(w**2))` bit for bit; beyond, it stays finite and accurate. A zero
-    slice, an inf or a NaN gets exponent 0 (scale 1) from `frexp`."""
+    `sqrt(sum(w**2))` bit for bit; beyond, it stays finite and accurate. $p$ is
+    clipped to $[2^{-126}, 2^{126}]$ (float32; float64 likewise) so that $p$ and
+    $1/p$ are both normal: a zero slice gets the smallest (its squares stay 0), an
+    inf or NaN the largest (the inf or NaN stays)."""
     m = jnp.max(jnp.abs(w), axis=axis, keepdims=True, initial=0)
     info = jnp.finfo(w.dtype)
-    _, e = jnp.frexp(m)
-    e = jnp.clip(e, info.minexp, info.maxexp - 2)  # 2^e and 2^-e both normal
-    s = jnp.sum(jnp.square(w * _pow2(-e, w.dtype)), axis=axis, keepdims=True)
-    return jnp.sqrt(s) * _pow2(e, w.dtype)
+    p = jnp.clip(_exponent_part(m), 2.0**info.minexp, 2.0 ** (info.maxexp - 2))
+    s = jnp.sum(jnp.square(w * (1 / p)), axis=axis, keepdims=True)
+    return jnp.sqrt(s) * p
 
 
 def _reference_norm(w: Array, axis: _Axis) -> Array:
@@ -169,11 +181,11 @@ class SafeNorm(_Reduction):
         w = x.astype(wide(x.dtype))
         n = jnp.reshape(out, _kept_shape(x.shape, self.axis)).astype(w.dtype)
         zero = n == 0
-        # `x / n` before the product, so that it neither overflows nor underflows
-        # where the norm was scaled; `n` is 1 on a zero slice, whose `x` is 0.
-        u = w / jnp.where(zero, 1, n)
+        # `x · (1/n)` before the product, so that it neither overflows nor
+        # underflows where the norm was scaled; `1/n` is 0 on a zero slice (one
+        # select per slice, none per element), whose tangent is then 0.
+        u = w * jnp.where(zero, _zeros(n), 1 / jnp.where(zero, 1, n))
         dot = jnp.sum(u * t.astype(w.dtype), axis=self.axis, keepdims=True)
-        dot = jnp.where(zero, _zeros(dot), dot)
         return jnp.reshape(dot, out.shape).astype(x.dtype)
 
     def reference_forward(self, x: Array) -> Array:
@@ -242,11 +254,14 @@ class SafeNormalize(_Reduction):
         # then the safe one, 0 on a zero slice, not `sqrt`'s inf.
         n = SafeNorm(self.axis, True)(w)
         zero = n == 0
-        y, t = out.astype(w.dtype), t.astype(w.dtype)
-        dy = (t - y * jnp.sum(y * t, axis=self.axis, keepdims=True)) / jnp.where(
-            zero, 1, n
-        )
-        return jnp.where(zero, _zeros(dy), dy).astype(x.dtype)
+        # `1/n` per slice, 0 on a zero slice (whose tangent is then 0); `y`
+        # recomputed from `x` rather than read from `out`: XLA then fuses the whole
+        # tangent, and its transpose, into the passes over `x` (measured: temp
+        # bytes 1.0x the hand-written double where, against 3.0x with `out` kept).
+        inv = jnp.where(zero, _zeros(n), 1 / jnp.where(zero, 1, n))
+        y, t = w * inv, t.astype(w.dtype)
+        dy = (t - y * jnp.sum(y * t, axis=self.axis, keepdims=True)) * inv
+        return dy.astype(x.dtype)
 
     def reference_forward(self, x: Array) -> Array:
         w = x.astype(wide(x.dtype))
@@ -427,10 +442,9 @@ class SafeArccos(_Safe):
     domain: ClassVar[Domain] = Domain(low=-1.0, high=1.0, kinks=(-1.0, 1.0))
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        w, inside, edge = _unit_interval(x)
-        return jnp.arccos(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(
-            x.dtype
-        )
+        w, _, edge = _unit_interval(x)
+        # Within rounding of ±1, exactly ±1 (`sign`); elsewhere `x` itself.
+        return jnp.arccos(jnp.where(edge, jnp.sign(w), w)).astype(x.dtype)
 
     def slope(self, x: Array) -> Array:
         return -_arc_slope(x)
@@ -468,10 +482,9 @@ class SafeArcsin(_Safe):
     domain: ClassVar[Domain] = Domain(low=-1.0, high=1.0, kinks=(-1.0, 1.0))
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        w, inside, edge = _unit_interval(x)
-        return jnp.arcsin(jnp.where(inside | edge, jnp.clip(w, -1, 1), w)).astype(
-            x.dtype
-        )
+        w, _, edge = _unit_interval(x)
+        # Within rounding of ±1, exactly ±1 (`sign`); elsewhere `x` itself.
+        return jnp.arcsin(jnp.where(edge, jnp.sign(w), w)).astype(x.dtype)
 
     def slope(self, x: Array) -> Array:
         return _arc_slope(x)
@@ -574,19 +587,20 @@ class SafeDivide(JVPRule):
         w = wide(out.dtype)
         wb = jnp.asarray(b, w)
         zero = wb == 0
-        # The slopes in `a` and `b`, `1/b` and `-q/b`, are 0 where `b` is: `b` is
-        # fed 1 there, so no `0/0` in them nor in their own derivatives (second
-        # order). Where a slope is 0 (`b == 0`, or a limit: `b` infinite, `a`
-        # zero) the tangent is selected, never multiplied, as an elementwise
-        # rule's: an inf or NaN tangent or cotangent there gives 0.
-        s_a = jnp.where(zero, jnp.zeros_like(wb), 1 / jnp.where(zero, 1, wb))
-        s_b = -out.astype(w) * s_a
-        t = jnp.zeros(out.shape, w)
-        for t_i, s_i in ((t_a, s_a), (t_b, s_b)):
-            if t_i is not None:
-                t_i = jnp.broadcast_to(t_i.astype(w), out.shape)
-                t = t + jnp.where(s_i == 0, jnp.zeros_like(t_i), t_i * s_i)
-        return t.astype(out.dtype)
+        # `(ȧ − q ḃ) / b`. The slope `1/b` is 0 where `b` is: `b` is fed 1 there,
+        # so no `0/0` in it nor in its own derivative (second order). Where it is 0
+        # (`b == 0`, or the limit `b` infinite) the tangent is selected, never
+        # multiplied, as an elementwise rule's: an inf or NaN tangent or cotangent
+        # there gives 0. One select for both inputs (measured: flops 0.67x and temp
+        # bytes 1.0x the hand-written double where, against 1.10x and 2.0x with a
+        # select per input).
+        s = jnp.where(zero, jnp.zeros_like(wb), 1 / jnp.where(zero, 1, wb))
+        num = jnp.zeros(out.shape, w)
+        if t_a is not None:
+            num = num + t_a.astype(w)
+        if t_b is not None:
+            num = num - out.astype(w) * t_b.astype(w)
+        return jnp.where(s == 0, jnp.zeros_like(num), num * s).astype(out.dtype)
 
     def reference_forward(self, a: Array, b: Array) -> Array:
         dtype = _float_dtype(a, b)
