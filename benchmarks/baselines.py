@@ -14,6 +14,7 @@ import eqxrules
 from eqxrules._domain import call
 
 from . import learned
+from .double_where import DOUBLE_WHERE
 
 VARIANTS = ("eqxrules", "hand", "hand_ref", "trick")
 VARIANT_NAMES = {
@@ -40,7 +41,8 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
     - `trick`: `d + stop_gradient(f - d)` with `f = reference_forward` and
       `d = reference_derivative`, where the rule has a `reference_derivative`; for
       a learned quantiser, the formulation users write today instead
-      (`benchmarks.learned.USER_TRICKS`);
+      (`benchmarks.learned.USER_TRICKS`); for a NaN-safe rule, the double where
+      (`benchmarks.double_where.DOUBLE_WHERE`);
     - `formula_0_1_0`, for the static-grid quantisers only: a plain `jax.custom_jvp`
       with the rule's tangent and the value of eqxrules 0.1.0 (index from `x - lo`,
       level from `lo + (hi - lo) k / n`), which is cheaper but not exact: what the
@@ -78,7 +80,7 @@ def build_variants(rule: Any, kwargs: dict[str, Any]) -> dict[str, Callable]:
             return trick
 
         variants["trick"] = trick_around("reference_forward")
-        user = learned.USER_TRICKS.get(type(rule))
+        user = learned.USER_TRICKS.get(type(rule)) or DOUBLE_WHERE.get(type(rule))
         if user is not None:
             variants["trick"] = user(rule)
         # The same trick around the rule's own value: the same rounding.
