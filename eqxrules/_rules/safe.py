@@ -370,11 +370,13 @@ def _arc_slope(x: Array) -> Array:
     beyond or at NaN. $(1 - x)(1 + x)$ is exact-ish near $\pm 1$, where
     $1 - x^2$ cancels."""
     w, _, edge = _unit_interval(x)
-    # Only the edges are selected away (fed 0): beyond them, or at NaN, `rsqrt` of
-    # a negative keeps its NaN, in this slope and in its own derivative.
-    v = jnp.where(edge, 0, w)
-    slope = jnp.where(edge, _zeros(w), jax.lax.rsqrt((1 - v) * (1 + v)))
-    return slope.astype(jnp.result_type(x))
+    # At the edges `rsqrt` is fed inf: its value there is exactly 0 and so is its
+    # derivative, `-u^(-3/2)/2` (one select, where feeding 0 and selecting the
+    # inf away would leave `0 · inf = NaN` in reverse over reverse). Beyond them,
+    # or at NaN, `rsqrt` of a negative keeps its NaN, in this slope and in its
+    # own derivative.
+    u = jnp.where(edge, jnp.inf, (1 - w) * (1 + w))
+    return jax.lax.rsqrt(u).astype(jnp.result_type(x))
 
 
 def _reference_arc(x: Array, kind: str, *, derivative: bool) -> Array:
