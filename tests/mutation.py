@@ -331,7 +331,11 @@ def _copy_tree(dest: pathlib.Path) -> None:
 
 def _run_stage(root: pathlib.Path, stage: str, entry: str) -> tuple[int, str]:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    # This process's XLA flags (CI's slow tier: the older CPU emitters, faster to
+    # compile), less any device count.
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if "device_count" not in f]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = str(root)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
