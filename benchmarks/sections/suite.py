@@ -51,7 +51,9 @@ def run(job: Job) -> dict[str, Any]:
         tail = summary or lines
         out[name] = dict(
             command=" ".join(
-                [f"XLA_FLAGS={FLAGS[name]}"] * (name in FLAGS) + ["python"] + cmd[1:]
+                ([f"XLA_FLAGS={FLAGS[name]}"] if name in FLAGS else [])
+                + ["python"]
+                + cmd[1:]
             ),
             seconds=seconds,
             returncode=proc.returncode,
