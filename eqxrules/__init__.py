@@ -17,7 +17,11 @@ from ._catalogue import (
 from ._domain import Args as Args, Inputs as Inputs, Mask as Mask
 from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import Quantized as Quantized, quantize as quantize
-from ._lowp.dot import quantized_dot as quantized_dot
+from ._lowp.dot import (
+    quantized_dot as quantized_dot,
+    quantized_dot_general as quantized_dot_general,
+    quantized_einsum as quantized_einsum,
+)
 from ._lowp.layer import Keyed as Keyed, QuantizedLinear as QuantizedLinear
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
@@ -56,6 +60,8 @@ __all__ = [
     "partial_jvp",
     "quantize",
     "quantized_dot",
+    "quantized_dot_general",
+    "quantized_einsum",
     "recipes",
     "testing",
     "verify_rule",

@@ -90,8 +90,15 @@ class Rule(eqx.Module):
         # Registration cannot be forgotten: every public rule class of the library's
         # rule modules is in the catalogue. A user's subclass elsewhere is not,
         # unless it asks: `functional(..., register=True)`.
-        if cls.__module__.startswith(_RULES_PACKAGE) and not cls.__name__.startswith(
-            "_"
+        # An abstract base (one declaring abstract methods, as `BlockQuantizer`)
+        # is no rule of its own.
+        abstract = any(
+            getattr(v, "__isabstractmethod__", False) for v in vars(cls).values()
+        )
+        if (
+            cls.__module__.startswith(_RULES_PACKAGE)
+            and not cls.__name__.startswith("_")
+            and not abstract
         ):
             _registry.register(cls)
 

@@ -26,7 +26,8 @@ from lowp_helpers import U32, data, gamma, mismatches, reference, vjp
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._lowp import dot
+from eqxrules._lowp import core
+from eqxrules._lowp.recipes import reads_key as _reads_key
 
 SHAPES = {"x": (2, 32, 64), "w": (64, 32), "dy": (2, 32, 32)}  # M=64, K=64, N=32
 KEY = jax.random.key(7)
@@ -56,7 +57,7 @@ def _data(kind: str) -> tuple[np.ndarray, ...]:
 def _failures(recipe, x, w, dy, *, jit: bool, run=None) -> dict[str, int]:
     """The products of `quantized_dot` with `recipe` (or with `run`, a planted
     recipe) that differ from `recipe`'s reference, and in how many elements."""
-    key = KEY if dot.reads_key(recipe.products()) else None
+    key = KEY if _reads_key(recipe.products()) else None
     got = dict(zip(("y", "dx", "dw"), vjp(run or recipe, x, w, dy, key, jit=jit)))
     ref = reference(recipe, x, w, dy, key)
     return {n: mismatches(got[n], *ref[n]) for n in ref if mismatches(got[n], *ref[n])}
@@ -285,9 +286,11 @@ def planted(monkeypatch):
 
     # A new function: `jax.jit` caches traces by the function it wraps.
     def evaluate(*args):
-        return dot._evaluate(*args)
+        return core._evaluate(*args)
 
-    monkeypatch.setattr(dot, "_compiled", jax.jit(evaluate, static_argnums=(0, 1)))
+    monkeypatch.setattr(
+        core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2))
+    )
     return monkeypatch
 
 
@@ -299,8 +302,8 @@ def test_planted_rotation_of_one_operand_is_caught(planted):
         calls.append(axis)
         return dot_rotate(a, axis, signs) if len(calls) % 2 else a
 
-    dot_rotate = dot.rotate
-    planted.setattr(dot, "rotate", lhs_only)
+    dot_rotate = core.rotate
+    planted.setattr(core, "rotate", lhs_only)
     assert set(_rht_failures()) == {"y", "dx", "dw"}
     recipe = NEAREST["nvfp4_1d_nearest_rht"]
     assert set(_failures(recipe, *_data("random"), jit=False)) == {"dw"}

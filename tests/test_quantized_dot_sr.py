@@ -23,7 +23,7 @@ from lowp_helpers import product_bounds
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._lowp import dot
+from eqxrules._lowp import core
 from eqxrules.testing import UnbiasedCheckError, check_unbiased
 
 M, K, N = 32, 16, 16  # K = N: one key for both operands of dw gives equal bits
@@ -91,17 +91,19 @@ def test_gradient_products_are_unbiased():
 def one_key(monkeypatch):
     """Both operands of a product rounded with the same key (the products' compiled
     cache replaced, so that the patch is traced)."""
-    honest = dot.operand_keys
+    honest = core.operand_keys
 
     def shared(key):
         k_lhs, _, k_signs = honest(key)
         return k_lhs, k_lhs, k_signs
 
     def evaluate(*args):
-        return dot._evaluate(*args)
+        return core._evaluate(*args)
 
-    monkeypatch.setattr(dot, "operand_keys", shared)
-    monkeypatch.setattr(dot, "_compiled", jax.jit(evaluate, static_argnums=(0, 1)))
+    monkeypatch.setattr(core, "operand_keys", shared)
+    monkeypatch.setattr(
+        core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2))
+    )
 
 
 @pytest.mark.slow

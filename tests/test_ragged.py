@@ -21,7 +21,7 @@ import pytest
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._lowp import dot
+from eqxrules._lowp import core
 
 KEY = jax.random.key(7)
 # Each recipe, with the multiple of its weight-gradient blocks (fp8() has none:
@@ -93,25 +93,25 @@ def planted(monkeypatch):
     so that a patched `_pad_batch` is traced."""
 
     def evaluate(*args):
-        return dot._evaluate(*args)
+        return core._evaluate(*args)
 
-    monkeypatch.setattr(dot, "_compiled", jax.jit(evaluate, static_argnums=(0, 1)))
+    monkeypatch.setattr(
+        core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2))
+    )
     return monkeypatch
 
 
 def _plant_padding(monkeypatch, fill: float, at_front: bool):
-    honest = dot._pad_batch
+    """The core's padding (`core.pad`) with `fill` instead of zeros, at the front
+    instead of the end if `at_front`."""
+    honest = core.pad
 
-    def padding(product, lhs, rhs):
-        m = lhs.shape[0]
-        rows = honest(product, lhs, rhs)[0].shape[0] - m
-        where = ((rows, 0) if at_front else (0, rows), (0, 0))
-        return (
-            jnp.pad(lhs, where, constant_values=fill),
-            jnp.pad(rhs, where, constant_values=fill),
-        )
+    def padding(v, multiple):
+        rows = honest(v, multiple).shape[0] - v.shape[0]
+        where = ((rows, 0) if at_front else (0, rows),) + ((0, 0),) * (v.ndim - 1)
+        return jnp.pad(v, where, constant_values=fill)
 
-    monkeypatch.setattr(dot, "_pad_batch", padding)
+    monkeypatch.setattr(core, "pad", padding)
 
 
 def _dw_matches(name: str, m: int) -> bool:
@@ -122,12 +122,15 @@ def _dw_matches(name: str, m: int) -> bool:
     )
 
 
-# (fill, at the front, recipe, M): ones at the end change the sum; zeros at the
-# front shift the blocks, the Hadamard signs and the stochastic draws. Where one
+# (fill, at the front, recipe, M): without a Hadamard transform the padded rows
+# are sliced off after quantising, so a large fill at the end changes the last
+# block's scale; with one (nvfp4) ones at the end are rotated into the real rows;
+# zeros at the front shift the blocks, the Hadamard signs and the stochastic
+# draws. Where one
 # block of 32 holds the whole batch (mxfp8, M=20), front and end make the same
 # block, which no check can tell apart: so M=40 for mxfp8 (two blocks) there.
 PLANTED = [
-    (1.0, False, "mxfp8", 20),
+    (1e3, False, "mxfp8", 20),  # the last block's scale (the rows are sliced off)
     (1.0, False, "nvfp4", 20),
     (0.0, True, "nvfp4", 20),  # SR and RHT
     (0.0, True, "mxfp8", 40),
@@ -147,6 +150,15 @@ def test_the_honest_padding_passes_where_the_planted_fail(planted, name, m):
     """The planted fixture alone (the honest padding, traced again) passes the
     cases the planted defects fail, so the failures are theirs."""
     assert _dw_matches(name, m)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_planted_missing_padding_is_caught(planted, name):
+    """Without the padding the blocks do not divide the batch: the quantiser (or
+    the Hadamard transform's reshape into blocks) refuses it."""
+    planted.setattr(core, "pad", lambda v, multiple: v)
+    with pytest.raises((ValueError, TypeError), match="must divide|cannot reshape"):
+        _dw_matches(name, 20)
 
 
 def test_a_feature_dimension_the_blocks_do_not_divide_still_raises():

@@ -1,313 +1,329 @@
-r"""`quantized_dot`: a matrix product whose three products, forward and backward,
-each quantise their operands as a recipe says. One custom VJP reads the recipe.
-
-With $x$ flattened to $M \times K$ (its leading axes are the batch) and $w$ of
-$K \times N$, and $Q^{p}_{a}$ the quantiser the recipe gives operand $a$ of product
-$p$, blocked along that product's reduced dimension:
-
-$$y = Q^{\mathrm{fwd}}_{x}(x)\, Q^{\mathrm{fwd}}_{w}(w) \quad (\text{along } K),
-\qquad
-\bar x = Q^{\mathrm{dx}}_{\bar y}(\bar y)\, Q^{\mathrm{dx}}_{w}(w)^\top
-\quad (\text{along } N),
-\qquad
-\bar w = Q^{\mathrm{dw}}_{x}(x)^\top Q^{\mathrm{dw}}_{\bar y}(\bar y)
-\quad (\text{along } M).$$
-
-Each product is evaluated by one function, `_evaluate`, from its
-[`Product`][eqxrules.recipes.Product] and its layout (`FORWARD`, `INPUT_GRADIENT`,
-`WEIGHT_GRADIENT`: which axis of each stored operand it reduces). The
-weight-gradient product pads a batch its blocks do not divide with zero rows at the
-end (`_pad_batch`), before its Hadamard transform and quantisers: zeros change no
-block's scale nor any sum, so the result is that of the padded batch, bit for bit.
-
-Under `jax.vmap`, a product whose batch operand is mapped runs once on the whole
-batch, the mapped axis joined to the rows (a `custom_vmap` rule): the weight-gradient
-product's blocks, and any per-tensor scale, then see the batch, exactly as when
-`quantized_dot` is called on it.
+r"""The public quantised products over `lax.dot_general`:
+[`quantized_dot_general`][eqxrules.quantized_dot_general],
+[`quantized_einsum`][eqxrules.quantized_einsum] and
+[`quantized_dot`][eqxrules.quantized_dot], a linear layer's product. Each checks
+its arguments, then runs the quantised core (`core.Bilinear`) on a `core.DotGeneral`
+operation, whose dimension numbers say what each of the three products contracts.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
-from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._catalogue import VJPRule
 from .._inputs import check_float_array, check_key
-from .hadamard import random_signs, rotate
+from .core import Bilinear, DotGeneral, Op
 from .recipes import Custom, Product, Recipe, block_lengths, reads_key
 
-_F32 = jnp.float32
 _NAME = "quantized_dot"
 
 
-class Layout(NamedTuple):
-    """One product `lhs · rhs` of 2-D float32 operands stored as the layer holds
-    them: it reduces axis `lhs_axis` of `lhs` with axis `rhs_axis` of `rhs`. `rows`
-    says which operands have the batch (rows, axis 0); `name`, `reduced` and
-    `operands` (what `lhs` and `rhs` are) are for messages."""
-
-    name: str
-    lhs_axis: int
-    rhs_axis: int
-    rows: tuple[bool, bool]
-    reduced: str
-    operands: tuple[str, str]
-
-    @property
-    def output_rows(self) -> bool:
-        """Whether the product's output keeps the batch (as its axis 0)."""
-        return self.rows[0] and self.lhs_axis != 0
-
-
-# y = x·w: x [M, K], w [K, N].
-FORWARD = Layout("forward", 1, 0, (True, False), "K", ("`x`", "`w`"))
-# dx = dy·wᵀ: dy [M, N], w [K, N].
-INPUT_GRADIENT = Layout(
-    "input-gradient", 1, 1, (True, False), "N", ("the output's cotangent", "`w`")
-)
-# dw = xᵀ·dy: x [M, K], dy [M, N].
-WEIGHT_GRADIENT = Layout(
-    "weight-gradient", 0, 0, (True, True), "M", ("`x`", "the output's cotangent")
-)
+def check_call(
+    name: str, recipe: Any, operands: dict[str, Any], key: Any
+) -> tuple[Custom, bool]:
+    """The checks every quantised product makes of its arguments (a `TypeError` or
+    `ValueError` naming `name`): `recipe` a recipe, each operand a floating-point
+    array, `key` a PRNG key if given and given if the recipe draws. Returns the
+    recipe's products and whether they read the key."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"`{name}`: `recipe` (={recipe!r}) must be an "
+            "`eqxrules.recipes.Recipe`, e.g. `eqxrules.recipes.mxfp8()`."
+        )
+    for argument, value in operands.items():
+        check_float_array(name, (value,), argument=argument)
+    products = recipe.products()
+    if key is not None:  # even where the recipe reads none: a bad key is a bug
+        check_key(name, key)
+    random = reads_key(products)
+    if random and key is None:
+        raise TypeError(
+            f"`{name}`: `recipe` draws random numbers ({', '.join(random)}), so it "
+            "needs a PRNG key: pass `key=`."
+        )
+    return products, bool(random)
 
 
-def _quantise(q: Any, a: Array, axis: int, key: PRNGKeyArray | None) -> Array:
-    if q is None:
-        return a
-    fit = getattr(q, "for_reduction_axis", None)
-    if fit is not None:
-        q = fit(axis, a.shape[axis], f"a `{_NAME}` operand of shape {a.shape}")
-    return q(a, key=key)
-
-
-def _evaluate(
-    product: Product, layout: Layout, lhs: Array, rhs: Array, w: Array, key: Any
-) -> Array:
-    """`Q(lhs) · Q(rhs)` in float32, reduced as `layout` says, after the random
-    Hadamard transform of both operands if `product` asks for it. `w` is the
-    weight, whose sharding the weight-gradient product takes. The weight-gradient
-    product first pads a ragged batch (`_pad_batch`)."""
-    if layout is WEIGHT_GRADIENT:
-        lhs, rhs = _pad_batch(product, lhs, rhs)
-    k_lhs = k_rhs = None
-    if key is not None:
-        k_lhs, k_rhs, k_signs = operand_keys(key)
-        if product.hadamard is not None:
-            # The same signs on both operands: R Rᵀ = I leaves the product alone.
-            signs = random_signs(k_signs, product.hadamard)
-            lhs = rotate(lhs, layout.lhs_axis, signs)
-            rhs = rotate(rhs, layout.rhs_axis, signs)
-    q_lhs = _quantise(product.lhs, lhs, layout.lhs_axis, k_lhs)
-    q_rhs = _quantise(product.rhs, rhs, layout.rhs_axis, k_rhs)
-    dims = (((layout.lhs_axis,), (layout.rhs_axis,)), ((), ()))
-    sharding = _sharding_of(w) if layout is WEIGHT_GRADIENT else {}
-    return jax.lax.dot_general(
-        q_lhs, q_rhs, dims, preferred_element_type=_F32, **sharding
-    )
-
-
-def _pad_batch(product: Product, lhs: Array, rhs: Array) -> tuple[Array, Array]:
-    """`lhs` and `rhs` (the weight-gradient product's `x` [M, K] and cotangent
-    [M, N]) with zero rows appended, up to the least multiple of every block length
-    of `product` (its quantisers' and its Hadamard transform's) at least M: the
-    same arrays where M is one already. Zero rows add nothing to the product, change
-    no block's amax (so no scale, block or per-tensor) and quantise to zero; at the
-    end, the partial block is the last one and every other block is as it was."""
-    block = math.lcm(1, *(size for _, size in block_lengths(product)))
-    pad = -lhs.shape[0] % block
-    if not pad:
-        return lhs, rhs
-    rows = ((0, pad), (0, 0))
-    return jnp.pad(lhs, rows), jnp.pad(rhs, rows)
-
-
-def _sharding_of(w: Array) -> dict[str, Any]:
-    """`{"out_sharding": w's sharding}`, as `jnp.dot`'s transpose gives its
-    weight's cotangent: with explicit sharding (JAX >= 0.7) a product reducing a
-    sharded batch must be told its output's. Empty where JAX has no such thing."""
-    typeof = getattr(jax, "typeof", None)
-    if typeof is None or "out_sharding" not in _DOT_PARAMETERS:
-        return {}
-    sharding = getattr(typeof(w), "sharding", None)
-    if sharding is None or sharding.mesh.empty:
-        return {}
-    return {"out_sharding": sharding}
-
-
-_DOT_PARAMETERS = inspect.signature(jax.lax.dot_general).parameters
-
-
-# One compiled program per product when called eagerly (op by op, the quantisers
-# alone compile dozens of small programs); inlined under an enclosing `jit`.
-_compiled = jax.jit(_evaluate, static_argnums=(0, 1))
-
-
-def operand_keys(key: PRNGKeyArray) -> tuple[Array, Array, Array]:
-    """A product's keys: its left operand's, its right operand's (independent, so
-    that the expectation of a product of two stochastically rounded operands is
-    the product of their expectations), and its Hadamard signs'."""
-    k = jax.random.split(key, 3)
-    return k[0], k[1], k[2]
+def run(op: Op, products: Custom, a: Array, b: Array, key: Any, random: bool):
+    """The quantised core on `op`. A key the recipe does not read is dropped, so
+    that it cannot constrain `vmap`."""
+    return Bilinear(op, products)(a, b, key=key if random else None)
 
 
 def length_error(
-    product: Product, layout: Layout, length: int, dimension: str | None = None
+    spec: Product,
+    product: str,
+    length: int,
+    dimension: str,
+    operands: tuple[str, str] = ("`lhs`", "`rhs`"),
 ) -> str | None:
-    """The body of the `ValueError` when a block of `product` (its quantisers' or
-    its Hadamard transform's) does not divide the reduced `length`, named
-    `dimension` (by default as `quantized_dot` names it: K or N); else `None`. The
-    batch M has none: the weight-gradient product pads it (`_pad_batch`)."""
-    for part, size in block_lengths(product):
+    """The body of the `ValueError` when a block of `spec` (its quantisers' or its
+    Hadamard transform's) does not divide `length`, a feature dimension that
+    `product` contracts (named `dimension`), which is not padded; else `None`.
+    `operands` names what the product's `lhs` and `rhs` quantise."""
+    for part, size in block_lengths(spec):
         if length % size:
-            operands = {"lhs": layout.operands[0], "rhs": layout.operands[1]}
-            what = operands.get(part, "the Hadamard transform")
-            dimension = dimension or _DIMENSIONS[layout.reduced]
+            names = {"lhs": operands[0], "rhs": operands[1]}
+            what = (
+                f"its `{part}` ({names[part]}, in blocks of {size})"
+                if part in names
+                else f"its Hadamard transform (in blocks of {size})"
+            )
             return (
-                f"the {layout.name} product reduces {dimension} (={length}), which "
-                f"its `{part}` ({what}, in blocks of {size}) must divide"
+                f"the {product} product reduces {dimension} (={length}), which "
+                f"{what} must divide"
             )
     return None
 
 
-# `w` is [K, N] here: an `eqx.nn.Linear`'s weight ([out, in]) transposed.
-_DIMENSIONS = {
-    "K": "K, the last axis of `x` and the first of `w`",
-    "N": "N, the last axis of `w`",
+# What the products of a linear layer quantise, by product.
+OPERANDS = {
+    "forward": ("`x`", "`w`"),
+    "input-gradient": ("the output's cotangent", "`w`"),
 }
 
 
-def product(layout: Layout, spec: Product) -> Any:
-    """`_evaluate` for `layout` and `spec`, as a function of `(lhs, rhs, w, key)`
-    whose `vmap` joins the mapped axis to the batch (the rows) unless the weight
-    `w` (an operand, or for the weight-gradient product a witness only) or the
-    key is mapped."""
-    return _not_differentiated(_product(layout, spec))
+_DimensionNumbers = tuple[
+    tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]
+]
 
 
-def _product(layout: Layout, spec: Product) -> Any:
-    """`product`'s function. Under `vmap`, `custom_vmap` traces it on one example
-    (whose batch the weight-gradient product pads, unevaluated), then replaces it
-    with its rule's: the same function on the whole batch."""
+def _dot_op(name: str, lhs: Any, rhs: Any, dimension_numbers: Any) -> DotGeneral:
+    """The operation, its dimension numbers checked (a `ValueError` naming `name`
+    with `lax.dot_general`'s own reason) and made tuples of ints."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        dims = (
+            (tuple(map(int, lc)), tuple(map(int, rc))),
+            (tuple(map(int, lb)), tuple(map(int, rb))),
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"`{name}`: `dimension_numbers` (={dimension_numbers!r}) must be "
+            "`((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`, "
+            "sequences of axes, as `jax.lax.dot_general` takes them."
+        ) from e
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.float32) for v in (lhs, rhs)]
+    try:
+        jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), *shapes)
+    except TypeError as e:
+        raise ValueError(
+            f"`{name}`: `dimension_numbers` (={dimension_numbers!r}) do not fit "
+            f"`lhs` (shape {shapes[0].shape}) and `rhs` (shape {shapes[1].shape}): "
+            f"{e}"
+        ) from e
+    nonneg = tuple(
+        tuple(tuple(d % n for d in axes) for axes, n in zip(pair, (len(shapes[0].shape), len(shapes[1].shape))))
+        for pair in dims
+    )
+    return DotGeneral(nonneg, (len(shapes[0].shape), len(shapes[1].shape)), name=name)
 
-    @custom_vmap
-    def run(lhs: Array, rhs: Array, w: Array, key: Any) -> Array:
-        return _compiled(spec, layout, lhs, rhs, w, key)
 
-    @run.def_vmap
-    def batched(size: int, in_batched: Any, lhs: Array, rhs: Array, w: Array, key):
-        lhs_b, rhs_b, w_b, key_b = in_batched
-        key_b = any(jtu.tree_leaves(key_b))
-        rows_b = any(b for b, r in zip((lhs_b, rhs_b), layout.rows) if r)
-        if w_b or (key_b and not rows_b):
-            # An ensemble (the weight mapped), or independent draws (the key
-            # mapped): each slice is its own product. `lax.map`, not `vmap`, so
-            # that an enclosing `vmap` over the batch still reaches this rule.
-            args, mapped = (lhs, rhs, w, key), (lhs_b, rhs_b, w_b, key_b)
-            return _map(run, args, mapped), True
-        if key_b:
+def quantized_dot_general(
+    lhs: Float[Array, "..."],
+    rhs: Float[Array, "..."],
+    dimension_numbers: _DimensionNumbers,
+    *,
+    recipe: Recipe,
+    key: PRNGKeyArray | None = None,
+) -> Float[Array, "..."]:
+    r"""`jax.lax.dot_general(lhs, rhs, dimension_numbers)` with each operand of each
+    of its three products, forward and backward, quantised as `recipe` says.
+
+    With $a$ = `lhs`, $b$ = `rhs` and $y = a \cdot b$ the contraction the dimension
+    numbers give, and $Q^p$ the quantisers of product $p$ (the recipe's `fwd`, `dx`,
+    `dw`), each blocked along what that product contracts:
+
+    $$y = Q^{\mathrm{fwd}}(a) \cdot Q^{\mathrm{fwd}}(b)
+    \quad \text{(along the contracting dimensions)},$$
+
+    $$\bar a = Q^{\mathrm{dx}}(\bar y) \cdot Q^{\mathrm{dx}}(b)
+    \quad \text{(along } b\text{'s free dimensions)}, \qquad
+    \bar b = Q^{\mathrm{dw}}(a) \cdot Q^{\mathrm{dw}}(\bar y)
+    \quad \text{(along } a\text{'s free dimensions)},$$
+
+    the two gradient products being `dot_general`'s own transposes (its VJP) on the
+    quantised operands. `dx`'s `lhs` quantises $\bar y$ and its `rhs` $b$; `dw`'s
+    `lhs` quantises $a$ and its `rhs` $\bar y$. Batch dimensions are never
+    contracted, so never blocked across.
+
+    Conventions:
+
+    - **Several contracted dimensions** are moved to the front in the order the
+        dimension numbers list them (for $\bar a$ and $\bar b$, ascending), and
+        flattened row-major into one, blocked as one.
+    - **A contracted length a block does not divide** is padded with zeros at the
+        end (the partial block is the last), before any Hadamard transform. Zeros
+        change no block's amax, so no scale, quantise to zero and add nothing: the
+        result is, bit for bit, that of the padded operands. (Unlike
+        [`quantized_dot`][eqxrules.quantized_dot], which keeps its feature
+        dimensions an error, every contracted length is padded here: a
+        contraction has no notion of which dimension is a feature.)
+    - **A random Hadamard transform** (`Product.hadamard`) rotates both operands
+        of its product along the flattened, padded contracted dimension, with the
+        same signs; its quantisers then block along it (square blocks cannot
+        follow it: a `ValueError`).
+    - **Square blocks** (`NVFP4Quantize(axis=(0, 1))`) cover the two axes they
+        name of their operand, as they are.
+    - **With the identity recipe** ([`recipes.identity`][eqxrules.recipes.identity]),
+        the value and both cotangents equal `lax.dot_general`'s bit for bit
+        (tested on the CPU).
+    - **Under `jax.vmap`**, a mapped `lhs` (with `rhs` unmapped) becomes one more
+        free dimension of `lhs`: it joins the rows, which the weight-gradient
+        product contracts, so its blocks and per-tensor scales see the whole
+        batch, as one call on the batch would. A mapped `rhs`, or a mapped `key`
+        alone, maps the whole product (each slice its own scales); a mapped `key`
+        with a mapped `lhs` is a `ValueError`.
+
+    Quantisation and products are computed in float32 (`preferred_element_type`);
+    the value has the dtype of `lhs · rhs`, each cotangent its primal's. Reverse
+    mode only (`jax.grad`, `jax.vjp`); the derivative is not differentiated again.
+
+    **Arguments:**
+
+    - `lhs`, `rhs`: floating-point arrays.
+    - `dimension_numbers`: `((lhs_contracting, rhs_contracting), (lhs_batch,
+        rhs_batch))`, as `jax.lax.dot_general` takes them.
+    - `recipe`: an [`eqxrules.recipes.Recipe`][], e.g. `recipes.mxfp8()`.
+    - `key`: a PRNG key, required when the recipe rounds stochastically or
+        rotates (a `TypeError` otherwise); split in three, one per product, and
+        each product's in three (its two operands, its Hadamard signs).
+
+    **Returns:**
+
+    `lax.dot_general`'s result: batch dimensions, then the free dimensions of
+    `lhs`, then those of `rhs`.
+
+    !!! Example
+
+        ```python
+        q = jax.random.normal(jax.random.key(0), (4, 16, 64))  # heads, tokens, d
+        k = jax.random.normal(jax.random.key(1), (4, 16, 64))
+        scores = eqxrules.quantized_dot_general(
+            q, k, (((2,), (2,)), ((0,), (0,))), recipe=eqxrules.recipes.mxfp8()
+        )  # [4, 16, 16]
+        ```
+    """
+    name = "quantized_dot_general"
+    products, random = check_call(name, recipe, {"lhs": lhs, "rhs": rhs}, key)
+    op = _dot_op(name, lhs, rhs, dimension_numbers)
+    return run(op, products, lhs, rhs, key, random)
+
+
+def _einsum_dims(
+    subscripts: str, lhs_ndim: int, rhs_ndim: int
+) -> tuple[_DimensionNumbers, tuple[int, ...]]:
+    """The dimension numbers of a two-operand einsum and the permutation from
+    `dot_general`'s output (batch, `lhs` free, `rhs` free) to the einsum's."""
+    name = "quantized_einsum"
+    spec = subscripts.replace(" ", "")
+    if "->" in spec:
+        inputs, output = spec.split("->")
+    else:
+        inputs, output = spec, None
+    parts = inputs.split(",")
+    if len(parts) != 2 or "." in spec or not all(p.isalpha() for p in parts):
+        raise ValueError(
+            f"`{name}`: `subscripts` (={subscripts!r}) must name two operands with "
+            "one letter per axis, as `'bij,bjk->bik'` (no ellipsis)."
+        )
+    a, b = parts
+    for labels, n, which in ((a, lhs_ndim, "lhs"), (b, rhs_ndim, "rhs")):
+        if len(labels) != n:
             raise ValueError(
-                f"`{_NAME}`: under `jax.vmap`, `key` is mapped with the batch of "
-                "`x`. The mapped axis of `x` joins the batch of the products (the "
-                "weight-gradient product's blocks run along it), which take one "
-                "key: pass the same key to every example, e.g. "
-                "`jax.vmap(lambda x: f(x, key=key))(xs)` or `in_axes=None` for it."
+                f"`{name}`: `subscripts` (={subscripts!r}) gives `{which}` "
+                f"{len(labels)} axes ({labels!r}); it has {n}."
             )
-        a, b = (
-            _fold(v, mapped, size) if rows else v
-            for v, mapped, rows in zip((lhs, rhs), (lhs_b, rhs_b), layout.rows)
+        if len(set(labels)) != n:
+            raise ValueError(
+                f"`{name}`: `subscripts` (={subscripts!r}) repeats a label within "
+                f"`{which}` ({labels!r}): a trace or diagonal is not a product."
+            )
+    if output is None:
+        output = "".join(sorted(c for c in set(a + b) if (a + b).count(c) == 1))
+    if not output.isalpha() and output:
+        raise ValueError(f"`{name}`: `subscripts` (={subscripts!r}): bad output.")
+    for c in output:
+        if c not in a and c not in b or output.count(c) > 1:
+            raise ValueError(
+                f"`{name}`: `subscripts` (={subscripts!r}): the output label {c!r} "
+                "must appear once, and in an operand."
+            )
+    for c in a + b:
+        if c not in output and not (c in a and c in b):
+            raise ValueError(
+                f"`{name}`: `subscripts` (={subscripts!r}): label {c!r} is in one "
+                "operand only and not in the output, a sum over one operand, not a "
+                "product: sum it first."
+            )
+    batch = [c for c in a if c in b and c in output]
+    contract = [c for c in a if c in b and c not in output]
+    dims = (
+        (tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+        (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)),
+    )
+    order = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+    return dims, tuple(order.index(c) for c in output)
+
+
+def quantized_einsum(
+    subscripts: str,
+    lhs: Float[Array, "..."],
+    rhs: Float[Array, "..."],
+    *,
+    recipe: Recipe,
+    key: PRNGKeyArray | None = None,
+) -> Float[Array, "..."]:
+    r"""`jnp.einsum(subscripts, lhs, rhs)` for two operands, as
+    [`quantized_dot_general`][eqxrules.quantized_dot_general] with the dimension
+    numbers the subscripts give: labels in both operands and the output are batch
+    dimensions, labels in both and not in the output are contracted (in the order
+    of `lhs`'s subscripts: flattened so, and blocked as one), and the others are
+    free. The result is then transposed to the output's order.
+
+    Every product, its blocks, padding, Hadamard transform and `vmap` are
+    `quantized_dot_general`'s. With the identity recipe the value and cotangents
+    equal `jnp.einsum`'s within float32 summation bounds (`jnp.einsum` may
+    contract in another order), and `quantized_dot_general`'s bit for bit.
+
+    **Arguments:**
+
+    - `subscripts`: as `jnp.einsum`'s, two operands, one letter per axis, e.g.
+        `"bhqd,bhkd->bhqk"` (attention's scores) or `"bhqk,bhkd->bhqd"`; no
+        ellipsis, no repeated label within an operand, and no label in one operand
+        only that the output lacks (a `ValueError`).
+    - `lhs`, `rhs`: floating-point arrays.
+    - `recipe`, `key`: as for `quantized_dot_general`.
+
+    **Returns:**
+
+    The einsum's value, its axes in the output's order.
+
+    !!! Example
+
+        ```python
+        q = jax.random.normal(jax.random.key(0), (2, 4, 16, 32))
+        k = jax.random.normal(jax.random.key(1), (2, 4, 16, 32))
+        s = eqxrules.quantized_einsum(
+            "bhqd,bhkd->bhqk", q, k, recipe=eqxrules.recipes.mxfp8()
         )
-        out = run(a, b, w, key)
-        if layout.output_rows:
-            return out.reshape(size, -1, out.shape[-1]), True
-        return out, False
-
-    return run
-
-
-def _not_differentiated(f: Any) -> Any:
-    """`f`, with a clear error when differentiated: a product of the backward pass
-    is, only by a second derivative (`custom_vmap` has no derivative of its own)."""
-
-    @jax.custom_jvp
-    def g(*args: Any) -> Array:
-        return f(*args)
-
-    @g.defjvp
-    def _(primals: Any, tangents: Any) -> Any:
+        ```
+    """
+    name = "quantized_einsum"
+    if not isinstance(subscripts, str):
         raise TypeError(
-            f"`{_NAME}` has no second derivative: its derivative quantises the "
-            "cotangent, which has no derivative. Differentiate it once "
-            "(`jax.grad`, `jax.vjp`)."
+            f"`{name}`: `subscripts` (={subscripts!r}) must be a string, as "
+            "`'bij,bjk->bik'`."
         )
-
-    return g
-
-
-def _map(f: Any, args: tuple[Any, ...], mapped: tuple[bool, ...]) -> Array:
-    """`f(*args)` on each slice (along axis 0) of the `mapped` arguments, the
-    others whole."""
-
-    def one(slices: list[Any]) -> Array:
-        it = iter(slices)
-        return f(*(next(it) if m else a for a, m in zip(args, mapped)))
-
-    return jax.lax.map(one, [a for a, m in zip(args, mapped) if m])
-
-
-def _fold(v: Array, mapped: bool, size: int) -> Array:
-    """The rows of `v` ([B, M, ·] if `mapped`, else [M, ·], the same for every
-    example) as one [B·M, ·] matrix."""
-    if not mapped:
-        v = jnp.broadcast_to(v, (size, *v.shape))
-    return v.reshape(-1, v.shape[-1])
-
-
-class _QuantizedDot(VJPRule):
-    """`quantized_dot` as a rule of the library's one custom-VJP function (so its
-    cotangents have their primals' dtypes, and forward mode is a clear error)."""
-
-    recipe: Custom = eqx.field(static=True)
-
-    elementwise: ClassVar[bool] = False
-
-    @classmethod
-    def rule_name(cls) -> str:
-        return _NAME
-
-    def primal(self, x: Array, w: Array, *, key: Any = None) -> Array:
-        k = _keys(key)
-        x2 = x.reshape(-1, x.shape[-1]).astype(_F32)
-        w32 = w.astype(_F32)
-        y = product(FORWARD, self.recipe.fwd)(x2, w32, w32, k[0])
-        return y.reshape(*x.shape[:-1], w.shape[1]).astype(jnp.result_type(x, w))
-
-    def bwd(
-        self, residuals: Any, cotangent: Array, args: tuple[Any, ...], **kwargs: Any
-    ) -> tuple[Array, Array]:
-        x, w = args
-        k = _keys(kwargs.get("key"))
-        x2 = x.reshape(-1, x.shape[-1]).astype(_F32)
-        dy = cotangent.reshape(-1, w.shape[1]).astype(_F32)
-        w32 = w.astype(_F32)
-        dx = product(INPUT_GRADIENT, self.recipe.dx)(dy, w32, w32, k[1])
-        dw = product(WEIGHT_GRADIENT, self.recipe.dw)(x2, dy, w32, k[2])
-        return dx.reshape(x.shape), dw
-
-
-def _keys(key: PRNGKeyArray | None) -> tuple[Any, Any, Any]:
-    """One key per product (forward, input gradient, weight gradient)."""
-    if key is None:
-        return None, None, None
-    k = jax.random.split(key, 3)
-    return k[0], k[1], k[2]
+    products, random = check_call(name, recipe, {"lhs": lhs, "rhs": rhs}, key)
+    dims, permutation = _einsum_dims(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+    op = _dot_op(name, lhs, rhs, dims)
+    y = run(op, products, lhs, rhs, key, random)
+    return jnp.transpose(y, permutation)
 
 
 def quantized_dot(
@@ -399,39 +415,33 @@ def quantized_dot(
         y = eqxrules.quantized_dot(x, w, recipe=eqxrules.recipes.mxfp8())
         ```
     """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"`{_NAME}`: `recipe` (={recipe!r}) must be an "
-            "`eqxrules.recipes.Recipe`, e.g. `eqxrules.recipes.mxfp8()`."
-        )
-    check_float_array(_NAME, (x,), argument="x")
-    check_float_array(_NAME, (w,), argument="w")
+    name = _NAME
+    products, random = check_call(name, recipe, {"x": x, "w": w}, key)
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
     if len(w_shape) != 2:
-        raise ValueError(f"`{_NAME}`: `w` (shape {w_shape}) must be a matrix [K, N].")
+        raise ValueError(f"`{name}`: `w` (shape {w_shape}) must be a matrix [K, N].")
     if not x_shape or x_shape[-1] != w_shape[0]:
         raise ValueError(
-            f"`{_NAME}`: the last axis of `x` (shape {x_shape}) must have the length "
+            f"`{name}`: the last axis of `x` (shape {x_shape}) must have the length "
             f"of the first axis of `w` (shape {w_shape}), K = {w_shape[0]}."
         )
-    products = recipe.products()
-    for spec, layout, length in (
-        (products.fwd, FORWARD, w_shape[0]),
-        (products.dx, INPUT_GRADIENT, w_shape[1]),
+    for spec, which, length, dimension in (
+        (products.fwd, "forward", w_shape[0], DIMENSIONS["K"]),
+        (products.dx, "input-gradient", w_shape[1], DIMENSIONS["N"]),
     ):
-        message = length_error(spec, layout, length)
+        message = length_error(spec, which, length, dimension, OPERANDS[which])
         if message is not None:
-            raise ValueError(f"`{_NAME}`: {message}.")
-    if key is not None:  # even where the recipe reads none: a bad key is a bug
-        check_key(_NAME, key)
-    random = reads_key(products)
-    if random and key is None:
-        raise TypeError(
-            f"`{_NAME}`: `recipe` draws random numbers ({', '.join(random)}), so it "
-            "needs a PRNG key: pass `key=`."
-        )
-    # A key the recipe does not read is dropped, so that it cannot constrain `vmap`.
-    return _QuantizedDot(products)(x, w, key=key if random else None)
+            raise ValueError(f"`{name}`: {message}.")
+    dims = (((len(x_shape) - 1,), (0,)), ((), ()))
+    op = DotGeneral(dims, (len(x_shape), 2), name=name)
+    return run(op, products, x, w, key, random)
 
 
-__all__ = ["quantized_dot"]
+# `w` is [K, N] here: an `eqx.nn.Linear`'s weight ([out, in]) transposed.
+DIMENSIONS = {
+    "K": "K, the last axis of `x` and the first of `w`",
+    "N": "N, the last axis of `w`",
+}
+
+
+__all__ = ["quantized_dot", "quantized_dot_general", "quantized_einsum"]

@@ -26,7 +26,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._inputs import check_key
 from .._tangents import takes_key
-from .dot import FORWARD, INPUT_GRADIENT, length_error, quantized_dot
+from .dot import OPERANDS, length_error, quantized_dot
 from .recipes import Recipe, reads_key
 
 
@@ -112,11 +112,13 @@ def check_layer(linear: eqx.nn.Linear, recipe: Recipe, function: str, name: str)
         )
     n_out, n_in = linear.weight.shape
     products = recipe.products()
-    for spec, layout, length, features in (
-        (products.fwd, FORWARD, n_in, "in_features"),
-        (products.dx, INPUT_GRADIENT, n_out, "out_features"),
+    for spec, which, length, features in (
+        (products.fwd, "forward", n_in, "in_features"),
+        (products.dx, "input-gradient", n_out, "out_features"),
     ):
-        message = length_error(spec, layout, length, f"its `{features}`")
+        message = length_error(
+            spec, which, length, f"its `{features}`", OPERANDS[which]
+        )
         if message is not None:
             advice = " Leave it out with `where=`." if function == "quantize" else ""
             raise ValueError(

@@ -5,11 +5,13 @@ derivatives, the scales held fixed. (Notation: see `_elementwise`.)"""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -60,11 +62,28 @@ def _from_blocks(b: Array, axis: int | tuple[int, int], like: Array) -> Array:
     return jnp.moveaxis(b.reshape(*lead, n0, n1), (-2, -1), axis)
 
 
-class _Blocked(JVPRule):
-    """A quantiser on blocks of `block_size` consecutive elements along `axis` (each
-    subclass's fields): not elementwise (it takes one floating-point array whose
-    `axis` the block divides), with the straight-through derivative, the scales
-    held fixed."""
+class BlockQuantizer(JVPRule):
+    r"""The base of block quantisers ([`MXQuantize`][eqxrules.MXQuantize],
+    [`NVFP4Quantize`][eqxrules.NVFP4Quantize], or a user's): the protocol through
+    which [`quantize`][eqxrules.quantize], [`Quantized`][eqxrules.Quantized] and the
+    quantised products ([`quantized_dot_general`][eqxrules.quantized_dot_general]
+    and the rest) put blocks along the dimension a product contracts.
+
+    A subclass has the fields `block_size` (elements per block, an `int`), `axis`
+    (the axis the blocks run along, or a pair of axes for square blocks of
+    `block_size` × `block_size`) and `rounding` (`"nearest"` or `"stochastic"`,
+    which then needs `key=`), and defines its value (`_with_bits`, given one uint32
+    of random bits per element or `None`, and `_reference`). It is not elementwise:
+    it takes one floating-point array, whose blocked axes `block_size` divides. Its
+    derivative is straight-through, the scales held fixed.
+
+    The products call [`for_reduction_axis`][eqxrules.BlockQuantizer.for_reduction_axis]
+    to put the blocks along the contracted dimension; a subclass may override it.
+    """
+
+    block_size: eqx.AbstractVar[int]
+    axis: eqx.AbstractVar[Any]
+    rounding: eqx.AbstractVar[str]
 
     elementwise: ClassVar[bool] = False
     domain: ClassVar[Domain] = Domain(shape=(4, 32))
@@ -93,7 +112,7 @@ class _Blocked(JVPRule):
                 f"blocked axis, axis {axis} of {where}, whose length is {length}."
             )
 
-    def for_reduction_axis(self, axis: int, length: int, where: str) -> _Blocked:
+    def for_reduction_axis(self, axis: int, length: int, where: str) -> BlockQuantizer:
         """This quantiser with its blocks along `axis` (of length `length`, in
         `where`): how `Quantized` puts weight and input blocks along a layer's
         reduction dimension."""
@@ -127,17 +146,17 @@ class _Blocked(JVPRule):
     ) -> Float[Array, "*shape"]:
         return self._with_bits(x, _bits(self, x, key))
 
+    @abc.abstractmethod
     def _with_bits(self, x: Array, bits: Array | None) -> Array:
         """The value, rounding the elements stochastically with `bits` (one uint32
         per element of `x`), or to nearest where `bits` is `None`."""
-        raise NotImplementedError
 
     def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         return self._reference(x, _reference_bits(self, x, key))
 
+    @abc.abstractmethod
     def _reference(self, x: Array, bits: Array | None) -> Array:
         """The reference value, rounding as `_with_bits` does."""
-        raise NotImplementedError
 
     def neighbours(self, x: Array) -> tuple[Array, Array]:
         """The two values each element of `x` may take with `rounding="stochastic"`,
@@ -145,7 +164,7 @@ class _Blocked(JVPRule):
         return extremes(self._reference, jnp.asarray(x))
 
 
-class MXQuantize(_Blocked):
+class MXQuantize(BlockQuantizer):
     r"""Microscaling (OCP MX v1.0) fake quantisation: MXFP8, MXFP6 or MXFP4, with
     the straight-through estimator. Blocks of `block_size` consecutive elements
     along `axis` share a power-of-two scale (E8M0).
@@ -239,7 +258,7 @@ class MXQuantize(_Blocked):
         ]
 
 
-class NVFP4Quantize(_Blocked):
+class NVFP4Quantize(BlockQuantizer):
     r"""NVIDIA's NVFP4 fake quantisation: FP4 (e2m1) elements in blocks of 16 along
     `axis`, each block with an FP8 (e4m3) scale, under one float32 scale for the
     whole array; the straight-through estimator.
