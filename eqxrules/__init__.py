@@ -17,12 +17,14 @@ from ._catalogue import (
 from ._domain import Args as Args, Inputs as Inputs, Mask as Mask
 from ._hyper import hyperparameter as hyperparameter, parameter as parameter
 from ._layers import Quantized as Quantized, quantize as quantize
+from ._lowp.conv import quantized_conv as quantized_conv
 from ._lowp.dot import (
     quantized_dot as quantized_dot,
     quantized_dot_general as quantized_dot_general,
     quantized_einsum as quantized_einsum,
 )
 from ._lowp.layer import Keyed as Keyed, QuantizedLinear as QuantizedLinear
+from ._rules.blocks import BlockQuantizer as BlockQuantizer
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
 from ._tangents import partial_jvp as partial_jvp
@@ -36,6 +38,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "Args",
+    "BlockQuantizer",
     "Domain",
     "ElementwiseRule",
     "Entry",
@@ -59,6 +62,7 @@ __all__ = [
     "parameter",
     "partial_jvp",
     "quantize",
+    "quantized_conv",
     "quantized_dot",
     "quantized_dot_general",
     "quantized_einsum",

@@ -156,6 +156,30 @@ class DotGeneral(Op):
             return tuple(yb), tuple(bf)
         return tuple(af), tuple(ya)
 
+    def square(self, role: str, side: int, q: BlockQuantizer) -> tuple[int, int]:
+        # The operand's contracted and free dimension, when it has one of each
+        # beside its batch dimensions (a matrix, as a weight): in its own order.
+        _, _, ab, bb, _, _ = self._dims()
+        y_batch = list(range(len(ab)))
+        batch = {"fwd": (ab, bb), "da": (y_batch, bb), "db": (ab, y_batch)}[role]
+        contracted = self.blocked(role)[side]
+        ndim = (
+            self.ndims[side]
+            if role == "fwd" or (role, side) in (("da", 1), ("db", 0))
+            else len(ab) + sum(len(d) for d in self._dims()[4:])
+        )
+        free = _remaining(ndim, contracted, batch[side])
+        if len(contracted) != 1 or len(free) != 1:
+            raise ValueError(
+                f"`{self.name}`: the quantiser {q!r} has square blocks, which need "
+                "an operand with one contracted and one free dimension beside its "
+                f"batch dimensions (a matrix); in the {role} product, operand "
+                f"{'lhs' if side == 0 else 'rhs'} contracts {contracted} and keeps "
+                f"{tuple(free)}. Give it blocks along one axis."
+            )
+        first, second = sorted((contracted[0], free[0]))
+        return first, second
+
     def hadamard_form(self, role: str) -> tuple[Any, tuple[int, ...], bool] | None:
         # As `lax.dot_general`'s own transposes form them.
         ac, bc, ab, bb, af, bf = self._dims()
