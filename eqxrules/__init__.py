@@ -24,8 +24,8 @@ from ._lowp.dot import (
     quantized_einsum as quantized_einsum,
 )
 from ._lowp.layer import Keyed as Keyed, QuantizedLinear as QuantizedLinear
-from ._rules.blocks import BlockQuantizer as BlockQuantizer
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
+from ._rules.blocks import BlockQuantizer as BlockQuantizer
 from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
 from ._tangents import partial_jvp as partial_jvp
 from ._verify import (

@@ -288,9 +288,7 @@ def planted(monkeypatch):
     def evaluate(*args):
         return core._evaluate(*args)
 
-    monkeypatch.setattr(
-        core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2))
-    )
+    monkeypatch.setattr(core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2)))
     return monkeypatch
 
 

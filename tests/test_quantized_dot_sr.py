@@ -101,9 +101,7 @@ def one_key(monkeypatch):
         return core._evaluate(*args)
 
     monkeypatch.setattr(core, "operand_keys", shared)
-    monkeypatch.setattr(
-        core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2))
-    )
+    monkeypatch.setattr(core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2)))
 
 
 @pytest.mark.slow

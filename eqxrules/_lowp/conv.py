@@ -127,7 +127,11 @@ def check_conv(name: str, op: Conv, products: Custom, rhs_shape: Sequence[int]):
         message = length_error(spec, which, length, dimension, operands)
         if message is not None:
             raise ValueError(f"`{name}`: {message}.")
-    for which, spec in (("fwd", products.fwd), ("dx", products.dx), ("dw", products.dw)):
+    for which, spec in (
+        ("fwd", products.fwd),
+        ("dx", products.dx),
+        ("dw", products.dw),
+    ):
         if spec.hadamard is not None:
             raise ValueError(
                 f"`{name}`: the recipe's `{which}` product asks for a random "
@@ -142,8 +146,8 @@ def check_conv(name: str, op: Conv, products: Custom, rhs_shape: Sequence[int]):
 
 
 def quantized_conv(
-    lhs: Float[Array, "..."],
-    rhs: Float[Array, "..."],
+    lhs: Float[Array, ...],
+    rhs: Float[Array, ...],
     window_strides: Sequence[int],
     padding: str | Sequence[tuple[int, int]],
     *,
@@ -153,7 +157,7 @@ def quantized_conv(
     feature_group_count: int = 1,
     recipe: Recipe,
     key: PRNGKeyArray | None = None,
-) -> Float[Array, "..."]:
+) -> Float[Array, ...]:
     r"""`jax.lax.conv_general_dilated` (1-D, 2-D or 3-D) with each operand of each
     of its three products, forward and backward, quantised as `recipe` says.
 

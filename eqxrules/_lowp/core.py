@@ -123,10 +123,14 @@ def _remaining(n: int, *used: Sequence[int]) -> list[int]:
     return [d for d in range(n) if d not in taken]
 
 
+_Axes = tuple[int, ...]
+DotNumbers = tuple[tuple[_Axes, _Axes], tuple[_Axes, _Axes]]
+
+
 class DotGeneral(Op):
     """`lax.dot_general(a, b, dimension_numbers)`, float32 output."""
 
-    dimension_numbers: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    dimension_numbers: DotNumbers
     ndims: tuple[int, int]
 
     def __call__(self, a: Array, b: Array) -> Array:
@@ -137,15 +141,22 @@ class DotGeneral(Op):
     def _dims(self) -> tuple[list[int], ...]:
         (ac, bc), (ab, bb) = self.dimension_numbers
         na, nb = self.ndims
-        return list(ac), list(bc), list(ab), list(bb), _remaining(na, ac, ab), (
-            _remaining(nb, bc, bb)
+        return (
+            list(ac),
+            list(bc),
+            list(ab),
+            list(bb),
+            _remaining(na, ac, ab),
+            (_remaining(nb, bc, bb)),
         )
 
     def _output(self) -> tuple[list[int], list[int]]:
         """The dimensions of `y` that are `a`'s free ones, and `b`'s."""
         _, _, ab, _, af, bf = self._dims()
         n = len(ab)
-        return list(range(n, n + len(af))), list(range(n + len(af), n + len(af) + len(bf)))
+        return list(range(n, n + len(af))), list(
+            range(n + len(af), n + len(af) + len(bf))
+        )
 
     def blocked(self, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         ac, bc, _, _, af, bf = self._dims()
@@ -186,7 +197,11 @@ class DotGeneral(Op):
         ya, yb = self._output()
         batch = list(range(len(ab)))
         if role == "fwd":
-            return self.dimension_numbers, tuple(range(len(ab) + len(af) + len(bf))), False
+            return (
+                self.dimension_numbers,
+                tuple(range(len(ab) + len(af) + len(bf))),
+                False,
+            )
         if role == "da":  # dot_general(dy, b) -> (batch, a free, b's contracted)
             dims = ((tuple(yb), tuple(bf)), (tuple(batch), tuple(bb)))
             a_contract = [ac[bc.index(d)] for d in sorted(bc)]
@@ -208,10 +223,14 @@ class DotGeneral(Op):
 
     def fold(self, v: Array, what: str) -> Array:
         # `a`'s new free dimension is its first: at 0 in `a`, after the batch in `y`.
-        return v if what == "a" else jnp.moveaxis(v, 0, len(self.dimension_numbers[1][0]))
+        return (
+            v if what == "a" else jnp.moveaxis(v, 0, len(self.dimension_numbers[1][0]))
+        )
 
     def unfold(self, v: Array, what: str, size: int) -> Array:
-        return v if what == "a" else jnp.moveaxis(v, len(self.dimension_numbers[1][0]), 0)
+        return (
+            v if what == "a" else jnp.moveaxis(v, len(self.dimension_numbers[1][0]), 0)
+        )
 
 
 class Conv(Op):
@@ -415,35 +434,46 @@ def _contracted(
                 "product `hadamard=None`."
             )
     dims = op.blocked(role)
-    (contract, batch), permutation, swap = form
+    (_, batch), permutation, swap = form
     k_lhs, k_rhs, k_signs = keys
     multiple = multiple_of(spec)
     signs = None if spec.hadamard is None else random_signs(k_signs, spec.hadamard)
-    flat = []
-    for q, v, d, k in ((spec.lhs, lhs, dims[0], k_lhs), (spec.rhs, rhs, dims[1], k_rhs)):
-        f = pad(_flatten(v, d), multiple)
-        if signs is not None:
-            f = rotate(f, 0, signs)
-        where = f"an operand of shape {tuple(v.shape)} of the {role} product"
-        flat.append(f if q is None else _call(q, f, 0, k, where))
-    # The operands of the contraction, `dot_general`'s dimension numbers mapped to
-    # the flattened operands: the contracted dimensions are now axis 0.
-    operands = [(flat[0], lhs, dims[0]), (flat[1], rhs, dims[1])]
-    if swap:
-        operands.reverse()
-        contract = contract[::-1]
-        batch = batch[::-1]
-    new_batch = []
-    for (f, v, d), b in zip(operands, batch):
+    # Each operand with its contracted dimensions as one axis: a single one in
+    # place (so that stochastic rounding's draws follow the operand's own layout,
+    # as in `quantise_along`), several moved to the front and flattened. Padded at
+    # the end of that axis, rotated along it, quantised along it.
+    prepared = []
+    for q, v, d, k in (
+        (spec.lhs, lhs, dims[0], k_lhs),
+        (spec.rhs, rhs, dims[1], k_rhs),
+    ):
         kept = [i for i in range(v.ndim) if i not in d]
-        new_batch.append(tuple(1 + kept.index(i) for i in b))
+        if len(d) == 1:
+            axis, f = (
+                d[0],
+                jnp.moveaxis(pad(jnp.moveaxis(v, d[0], 0), multiple), 0, d[0]),
+            )
+            position = {i: i for i in kept}
+        else:
+            axis, f = 0, pad(_flatten(v, d), multiple)
+            position = {i: 1 + kept.index(i) for i in kept}
+        if signs is not None:
+            f = rotate(f, axis, signs)
+        where = f"an operand of shape {tuple(v.shape)} of the {role} product"
+        prepared.append(
+            (f if q is None else _call(q, f, axis, k, where), axis, position)
+        )
+    if swap:
+        prepared.reverse()
+        batch = batch[::-1]
+    (a, a_axis, a_pos), (b, b_axis, b_pos) = prepared
+    dimension_numbers = (
+        ((a_axis,), (b_axis,)),
+        (tuple(a_pos[i] for i in batch[0]), tuple(b_pos[i] for i in batch[1])),
+    )
     sharding = {} if role == "fwd" else _sharding_of(witness, permutation)
     out = jax.lax.dot_general(
-        operands[0][0],
-        operands[1][0],
-        (((0,), (0,)), tuple(new_batch)),
-        preferred_element_type=_F32,
-        **sharding,
+        a, b, dimension_numbers, preferred_element_type=_F32, **sharding
     )
     return jnp.transpose(out, permutation)
 

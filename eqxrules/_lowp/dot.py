@@ -116,21 +116,25 @@ def _dot_op(name: str, lhs: Any, rhs: Any, dimension_numbers: Any) -> DotGeneral
             f"`lhs` (shape {shapes[0].shape}) and `rhs` (shape {shapes[1].shape}): "
             f"{e}"
         ) from e
-    nonneg = tuple(
-        tuple(tuple(d % n for d in axes) for axes, n in zip(pair, (len(shapes[0].shape), len(shapes[1].shape))))
-        for pair in dims
-    )
-    return DotGeneral(nonneg, (len(shapes[0].shape), len(shapes[1].shape)), name=name)
+    ndims = len(shapes[0].shape), len(shapes[1].shape)
+
+    def axes(pair: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+        return tuple(d % ndims[0] for d in pair[0]), tuple(
+            d % ndims[1] for d in pair[1]
+        )
+
+    nonneg = (axes(dims[0]), axes(dims[1]))
+    return DotGeneral(nonneg, ndims, name=name)
 
 
 def quantized_dot_general(
-    lhs: Float[Array, "..."],
-    rhs: Float[Array, "..."],
+    lhs: Float[Array, ...],
+    rhs: Float[Array, ...],
     dimension_numbers: _DimensionNumbers,
     *,
     recipe: Recipe,
     key: PRNGKeyArray | None = None,
-) -> Float[Array, "..."]:
+) -> Float[Array, ...]:
     r"""`jax.lax.dot_general(lhs, rhs, dimension_numbers)` with each operand of each
     of its three products, forward and backward, quantised as `recipe` says.
 
@@ -272,12 +276,12 @@ def _einsum_dims(
 
 def quantized_einsum(
     subscripts: str,
-    lhs: Float[Array, "..."],
-    rhs: Float[Array, "..."],
+    lhs: Float[Array, ...],
+    rhs: Float[Array, ...],
     *,
     recipe: Recipe,
     key: PRNGKeyArray | None = None,
-) -> Float[Array, "..."]:
+) -> Float[Array, ...]:
     r"""`jnp.einsum(subscripts, lhs, rhs)` for two operands, as
     [`quantized_dot_general`][eqxrules.quantized_dot_general] with the dimension
     numbers the subscripts give: labels in both operands and the output are batch
