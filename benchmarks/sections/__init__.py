@@ -18,6 +18,7 @@ from . import (
     overhead,
     quantized_dot,
     residuals,
+    sr_step,
     suite,
     throughput,
     trace,
@@ -36,4 +37,5 @@ SECTIONS = (
     exactness,
     unbiased,
     quantized_dot,
+    sr_step,
 )

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -23,7 +22,12 @@ from .._hyper import (
 )
 from ._elementwise import _Elementwise, masked_identity, wide
 from ._exact import MAX_BITS, ge, le, reference_quantize, resolvable, within
-from ._formats import RESOLUTION, random_bits, stochastic_floor
+from ._formats import (
+    RESOLUTION,
+    random_bits,
+    reference_random_bits,
+    stochastic_floor,
+)
 from ._paths import quantize
 from ._stochastic import (
     reference_neighbours,
@@ -163,7 +167,7 @@ class _Grid(_Elementwise):
         if not self.needs_key():
             return reference_quantize(x, *self._grid())
         assert key is not None
-        bits = jax.random.bits(key, jnp.shape(x), jnp.uint32)
+        bits = reference_random_bits(key, jnp.shape(x))
         return reference_stochastic_quantize(x, *self._grid(), bits)
 
     def reference_derivative(
@@ -220,7 +224,8 @@ class SteQuantize(_Grid):
     per element: with $L_k$ the level nearest $x$ (ties to even) and
     $g = (x - L_k)/s$ its signed distance from it in steps $s$, element $i$ steps
     to the neighbour on $g$'s side iff $2 j_i + 1 < 2^{25} \lvert g \rvert$, with
-    $j_i$ the top 24 bits of `jax.random.bits(key, x.shape, jnp.uint32)[i]`: with
+    $j_i$ the top 24 bits of the word $w_i$ that [`FloatQuantize`][] documents
+    (a counter-based hash of element $i$'s index, seeded from `key`): with
     probability within $2^{-25}$ of $\lvert g \rvert$, and never within
     $2^{-25}$ of a step from $L_k$. $g$ is computed in float32 from the level
     written as exact *tiers* (split with TwoSum) to within about
@@ -339,9 +344,8 @@ class StochasticRound(_Elementwise):
     2^{24} f\,]\big), \quad f = \lvert x \rvert - \lfloor \lvert x \rvert
     \rfloor, \qquad \dot q = t$$
 
-    with $j$ the top 24 bits of `jax.random.bits(key, x.shape, jnp.uint32)` (one
-    uint32 per element; the same bits as the float formats' stochastic rounding,
-    see [`FloatQuantize`][]). $f$ is exact (in float32 for float32, bfloat16 and
+    with $j$ the top 24 bits of one uint32 word per element, the counter-based
+    draw of the float formats' stochastic rounding (see [`FloatQuantize`][]). $f$ is exact (in float32 for float32, bfloat16 and
     float16 inputs, in float64 for float64), and so is the comparison, so
     $\lvert q \rvert$ rounds up with probability exactly
     $\lceil 2^{24} f \rceil / 2^{24}$:
@@ -406,7 +410,7 @@ class StochasticRound(_Elementwise):
         a = jnp.abs(w)
         c = jnp.ceil(a)
         lower = jnp.where(c == a, c, c - 1)
-        j = jax.random.bits(key, jnp.shape(x), jnp.uint32) >> (32 - RESOLUTION)
+        j = reference_random_bits(key, jnp.shape(x)) >> (32 - RESOLUTION)
         u = j.astype(jnp.float32) * 2.0**-RESOLUTION
         q = jnp.where(u < a - lower, lower + 1, lower)
         return jnp.where(w < 0, -q, q).astype(x.dtype)
