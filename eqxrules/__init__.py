@@ -23,7 +23,11 @@ from ._lowp.dot import (
     quantized_dot_general as quantized_dot_general,
     quantized_einsum as quantized_einsum,
 )
-from ._lowp.layer import Keyed as Keyed, QuantizedLinear as QuantizedLinear
+from ._lowp.layer import (
+    Keyed as Keyed,
+    QuantizedConv as QuantizedConv,
+    QuantizedLinear as QuantizedLinear,
+)
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._rules.blocks import BlockQuantizer as BlockQuantizer
 from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
@@ -49,6 +53,7 @@ __all__ = [
     "NonNegativeSignInputWarning",
     "PytreeRule",
     "Quantized",
+    "QuantizedConv",
     "QuantizedLinear",
     "Rule",
     "RuleVerification",

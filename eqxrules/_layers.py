@@ -3,7 +3,8 @@ wraps every such layer of a model, with quantisers or a recipe (`calibrate`, in
 `_calibrate`, initialises learned input quantisers from data).
 
 A layer `quantize` reaches has two settings, each a wrapper in a fixed order:
-`Quantized(QuantizedLinear(linear, recipe), ...)`. A call sets one of them on the
+`Quantized(QuantizedLinear(linear, recipe), ...)` (or `QuantizedConv(conv, recipe)`
+for a convolution). A call sets one of them on the
 layers it selects (`where` sees the plain layer inside the wrappers) and keeps the
 other, so quantising again replaces and never nests, and the order of two calls
 does not matter. (Mixing them by nesting in call order built models that failed
@@ -30,7 +31,13 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
 from ._inputs import check_key
-from ._lowp.layer import QuantizedLinear, check_layer
+from ._lowp.layer import (
+    LAYERS,
+    QuantizedConv,
+    QuantizedLinear,
+    check_conv_layer,
+    check_layer,
+)
 from ._lowp.recipes import Recipe
 from ._sign_warning import warn_constant_sign
 from ._tangents import call_with_key
@@ -157,7 +164,9 @@ class Quantized(eqx.Module):
 
 def _weighted(layer: Any) -> Any:
     """The layer holding the `weight` of a `Quantized`'s `layer`."""
-    return layer.linear if isinstance(layer, QuantizedLinear) else layer
+    if isinstance(layer, QuantizedLinear):
+        return layer.linear
+    return layer.conv if isinstance(layer, QuantizedConv) else layer
 
 
 def _plain(node: Any) -> Any:
@@ -208,7 +217,7 @@ def quantize(
     *,
     kernel_quantizer: Quantizer | None = None,
     input_quantizer: Quantizer | None = None,
-    recipe: Recipe | None = None,
+    recipe: Recipe | Callable[[str], Recipe | None] | None = None,
     where: Callable[[Any], bool] = _has_weight_layer,
 ) -> _M:
     """Quantise every matching layer of `model`, by tree surgery (`eqx.tree_at`):
@@ -299,12 +308,16 @@ def quantize(
             "recipe's products on the same layers, quantise twice: "
             "`quantize(quantize(model, recipe=...), kernel_quantizer=...)`."
         )
+    if recipe is not None and not isinstance(recipe, Recipe) and not callable(recipe):
+        raise TypeError(
+            f"`quantize`: `recipe` (={recipe!r}) must be an `eqxrules.recipes.Recipe` "
+            "(e.g. `recipes.mxfp8()`) or a function of a layer's path "
+            "(`'layers[1]'`) returning one, or `None`."
+        )
     default = where is _has_weight_layer
-    if recipe is not None and default:
-        where = _is_linear
 
     def is_leaf(node: Any) -> bool:
-        return isinstance(node, (Quantized, QuantizedLinear)) or where(node)
+        return isinstance(node, (Quantized, *LAYERS)) or where(node)
 
     nodes = jtu.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
     # `where` is asked about the model's own nodes (so a predicate may test
@@ -322,7 +335,10 @@ def quantize(
         name = f"the layer at `{_path(path)}`"
         layer = _plain(node)
         if recipe is not None:
-            return _with_recipe(node, layer, recipe, path, name)
+            chosen = _recipe_of(recipe, path, name)
+            if chosen is None:
+                return node
+            return _with_recipe(node, layer, chosen, path, name)
         if not _has_weight_layer(layer):
             raise TypeError(
                 f"`quantize`: `where` selected {name}, a {type(layer).__name__}; "
@@ -347,8 +363,20 @@ def _path(path: tuple[Any, ...]) -> str:
     return f"model{jtu.keystr(path)}"
 
 
-def _is_linear(node: Any) -> bool:
-    return isinstance(node, eqx.nn.Linear)
+def _recipe_of(recipe: Any, path: tuple[Any, ...], name: str) -> Recipe | None:
+    """The recipe of the layer at `path`: `recipe` itself, or what it returns when
+    given the layer's path (`"layers[1]"`), checked."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    where = jtu.keystr(path).removeprefix(".")
+    chosen = recipe(where)
+    if chosen is not None and not isinstance(chosen, Recipe):
+        raise TypeError(
+            f"`quantize`: `recipe`, given the path {where!r} of {name}, returned "
+            f"{chosen!r}; it must return an `eqxrules.recipes.Recipe` or `None` "
+            "(to leave the layer as it is)."
+        )
+    return chosen
 
 
 def _with_recipe(
@@ -356,24 +384,30 @@ def _with_recipe(
 ) -> Any:
     """`node` (a plain layer, or one `quantize` wrapped before) computing `layer`
     with `recipe`, its quantisers (if any) kept."""
-    if not isinstance(layer, eqx.nn.Linear):
+    if isinstance(layer, eqx.nn.Linear):
+        check_layer(layer, recipe, "quantize", name)
+        computed: Any = QuantizedLinear(layer, recipe, path=_path(path))
+    elif isinstance(layer, eqx.nn.Conv):
+        check_conv_layer(layer, recipe, "quantize", name)
+        computed = QuantizedConv(layer, recipe, path=_path(path))
+    else:
         raise TypeError(
-            f"`quantize`: `recipe` computes `eqx.nn.Linear` layers; {name} is a "
-            f"{type(layer).__name__}: leave it out with `where=`."
+            f"`quantize`: `recipe` computes `eqx.nn.Linear` and `eqx.nn.Conv` "
+            f"layers; {name} is a {type(layer).__name__}: leave it out with "
+            "`where=`."
         )
-    check_layer(layer, recipe, "quantize", name)
-    linear = QuantizedLinear(layer, recipe, path=_path(path))
     if not isinstance(node, Quantized):
-        return linear
+        return computed
     kernel, inputs = node.kernel_quantizer, node.input_quantizer
-    return Quantized(linear, kernel_quantizer=kernel, input_quantizer=inputs)
+    return Quantized(computed, kernel_quantizer=kernel, input_quantizer=inputs)
 
 
-_CONVOLUTIONS = (eqx.nn.Conv, eqx.nn.ConvTranspose)
+# What a recipe cannot compute: transposed convolutions.
+_CONVOLUTIONS = (eqx.nn.ConvTranspose,)
 
 
 def _convolutions(model: Any) -> list[str]:
-    """The paths of the convolutions of `model`, wrapped or not."""
+    """The paths of the transposed convolutions of `model`."""
     nodes = jtu.tree_flatten_with_path(
         model, is_leaf=lambda n: isinstance(n, _CONVOLUTIONS)
     )[0]
@@ -384,10 +418,11 @@ def _warn_float_convolutions(model: Any) -> None:
     convolutions = _convolutions(model)
     if convolutions:
         warnings.warn(
-            "`quantize`: `recipe` computes `eqx.nn.Linear` layers only, so the "
-            f"convolutions at {', '.join(convolutions)} stay in float32. Pass "
-            "`where=` (selecting the `eqx.nn.Linear` layers) to say that this is "
-            "meant and silence this warning.",
+            "`quantize`: `recipe` computes `eqx.nn.Linear` and `eqx.nn.Conv` "
+            "layers, not transposed convolutions, so the `eqx.nn.ConvTranspose` "
+            f"layers at {', '.join(convolutions)} stay in float32. Pass `where=` "
+            "(selecting the other layers) to say that this is meant and silence "
+            "this warning.",
             UserWarning,
             stacklevel=3,
         )
@@ -398,12 +433,13 @@ def _nothing_selected(model: Any, recipe: Any, default: bool) -> str:
     name = f"`model` (a {type(model).__name__})"
     if not default:
         return f"`quantize`: no layer of {name} matches `where`."
-    if recipe is None:
-        return f"`quantize`: {name} has no `eqx.nn.Linear` or `eqx.nn.Conv` layer."
-    message = f"`quantize`: {name} has no `eqx.nn.Linear`, the layer `recipe` computes"
-    convolutions = _convolutions(model)
+    message = f"`quantize`: {name} has no `eqx.nn.Linear` or `eqx.nn.Conv` layer"
+    convolutions = _convolutions(model) if recipe is not None else []
     if convolutions:
-        message += f" (its convolutions, {', '.join(convolutions)}, cannot take one)"
+        message += (
+            f" (its transposed convolutions, {', '.join(convolutions)}, cannot take "
+            "a recipe)"
+        )
     return message + "."
 
 

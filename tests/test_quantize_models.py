@@ -174,41 +174,45 @@ def _cnn():
     k1, k2, k3 = jax.random.split(KEY, 3)
     return eqx.nn.Sequential(
         [
-            eqx.nn.Conv2d(1, 8, 3, key=k1),
+            eqx.nn.Conv2d(32, 32, 3, key=k1),
             eqx.nn.Lambda(jnp.ravel),
-            eqx.nn.Linear(8 * 6 * 6, 32, key=k3),  # 8x8 images
+            eqx.nn.Linear(32 * 6 * 6, 32, key=k3),  # 8x8 images, 32 channels
             eqx.nn.Lambda(jnp.tanh),
             eqx.nn.ConvTranspose1d(1, 1, 1, key=k2),
         ]
     )
 
 
-def test_a_recipe_warns_of_the_convolutions_it_leaves_in_float32():
+def test_a_recipe_computes_convolutions_and_warns_of_transposed_ones():
     cnn = _cnn()
     with pytest.warns(UserWarning) as caught:
         q = eqxrules.quantize(cnn, recipe=recipes.mxfp8())
     assert len(caught) == 1
     message = str(caught[0].message)
-    for part in ("`model.layers[0]`", "`model.layers[4]`", "stay in float32"):
+    for part in ("`model.layers[4]`", "ConvTranspose", "stay in float32"):
         assert part in message, message
+    assert "`model.layers[0]`" not in message
     assert type(q.layers[2]) is eqxrules.QuantizedLinear
-    assert type(q.layers[0]) is eqx.nn.Conv2d
+    assert type(q.layers[0]) is eqxrules.QuantizedConv
+    assert q.layers[0].path == "model.layers[0]"
     # With `where=`, the choice is the user's: no warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eqxrules.quantize(cnn, recipe=recipes.mxfp8(), where=_last)
-    # A convolution inside a `Quantized` is named by its path too.
-    binary = eqxrules.quantize(cnn, kernel_quantizer=SIGN)
-    with pytest.warns(UserWarning, match=r"`model.layers\[0\].layer`"):
-        eqxrules.quantize(binary, recipe=recipes.mxfp8())
+    # A transposed convolution inside a `Quantized` is named by its path too.
+    binary = eqxrules.quantize(cnn, kernel_quantizer=SIGN, where=_last)
+    with pytest.warns(UserWarning, match=r"`model.layers\[4\]`"):
+        both = eqxrules.quantize(binary, recipe=recipes.mxfp8())
+    assert type(both.layers[2].layer) is eqxrules.QuantizedLinear
 
 
 def test_a_model_with_nothing_to_quantise_says_what_it_lacks():
-    convs = eqx.nn.Sequential([eqx.nn.Conv1d(4, 4, 3, key=KEY)])
+    convs = eqx.nn.Sequential([eqx.nn.ConvTranspose1d(4, 4, 3, key=KEY)])
     with pytest.raises(ValueError) as info:
         eqxrules.quantize(convs, recipe=recipes.mxfp8())
     message = str(info.value)
-    assert "has no `eqx.nn.Linear`" in message and "`model.layers[0]`" in message
+    assert "has no `eqx.nn.Linear` or `eqx.nn.Conv`" in message
+    assert "transposed convolutions, `model.layers[0]`" in message
     assert "where" not in message, message
     norm = eqx.nn.Sequential([eqx.nn.LayerNorm(4), eqx.nn.Embedding(3, 4, key=KEY)])
     with pytest.raises(ValueError) as info:

@@ -633,7 +633,7 @@ def test_the_planted_fixture_alone_passes(planted):
             ),
             ValueError,
             r"`quantized_conv`: the forward product reduces the input features "
-            r"\(=48\), which its `lhs` \(`lhs`, in blocks of 32\) must divide",
+            r"\(=48\), which its `lhs` \(the input, in blocks of 32\) must divide",
         ),
         (
             lambda: eqxrules.quantized_conv(

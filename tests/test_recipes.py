@@ -238,14 +238,17 @@ def test_quantize_with_a_recipe_rejects_misuse():
         eqxrules.quantize(_mlp(), recipe=recipes.mxfp8(), kernel_quantizer=MX)
     with pytest.raises(TypeError, match=r"`quantize`: `recipe` \(='mxfp8'\) must"):
         eqxrules.quantize(_mlp(), recipe="mxfp8")  # type: ignore[arg-type]
-    conv = eqx.nn.Sequential([eqx.nn.Conv1d(4, 4, 3, key=KEY)])
-    with pytest.raises(TypeError, match=r"model.layers\[0\]` is a Conv1d"):
+    conv = eqx.nn.Sequential([eqx.nn.ConvTranspose1d(4, 4, 3, key=KEY)])
+    match = r"model.layers\[0\]` is a ConvTranspose1d"
+    with pytest.raises(TypeError, match=match):
         eqxrules.quantize(
             conv, recipe=recipes.mxfp8(), where=lambda n: n is conv.layers[0]
         )
     match = r"`model` \(a Sequential\) has no `eqx.nn.Linear`.*`model.layers\[0\]`"
     with pytest.raises(ValueError, match=match):
         eqxrules.quantize(conv, recipe=recipes.mxfp8())
+    with pytest.raises(TypeError, match=r"given the path 'layers\[0\]' .* returned 3"):
+        eqxrules.quantize(_mlp(), recipe=lambda path: 3)  # type: ignore
     odd = eqx.nn.MLP(48, 32, 64, 1, key=KEY)
     match = r"the layer at `model.layers\[0\]`.*forward product reduces its `in_f"
     with pytest.raises(ValueError, match=match):

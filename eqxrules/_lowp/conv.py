@@ -115,13 +115,19 @@ def check_conv(name: str, op: Conv, products: Custom, rhs_shape: Sequence[int]):
     _, rhs_spec, _ = op.dimension_numbers
     n_out, n_in = rhs_shape[rhs_spec[0]], rhs_shape[rhs_spec[1]]
     for spec, which, length, dimension, operands in (
-        (products.fwd, "forward", n_in, "the input features", ("`lhs`", "`rhs`")),
+        (
+            products.fwd,
+            "forward",
+            n_in,
+            "the input features",
+            ("the input", "the kernel"),
+        ),
         (
             products.dx,
             "input-gradient",
             n_out,
             "the output features",
-            ("the output's cotangent", "`rhs`"),
+            ("the output's cotangent", "the kernel"),
         ),
     ):
         message = length_error(spec, which, length, dimension, operands)

@@ -1,7 +1,8 @@
 """A recipe in a model: `QuantizedLinear` computes an `eqx.nn.Linear` with
-[`quantized_dot`][eqxrules.quantized_dot], and `Keyed` gives each of a model's
-`QuantizedLinear` layers its own key at every call. `quantize(model, recipe=...)`
-puts the layers in.
+[`quantized_dot`][eqxrules.quantized_dot], `QuantizedConv` an `eqx.nn.Conv` with
+[`quantized_conv`][eqxrules.quantized_conv], and `Keyed` gives each of a model's
+quantised layers its own key at every call. `quantize(model, recipe=...)` puts the
+layers in.
 
 How keys reach the layers. Most models call their layers without a key
 (`eqx.nn.MLP`, `eqx.nn.MultiheadAttention`'s projections), yet stochastic rounding
@@ -26,6 +27,8 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._inputs import check_key
 from .._tangents import takes_key
+from .conv import check_conv, quantized_conv
+from .core import Conv
 from .dot import OPERANDS, length_error, quantized_dot
 from .recipes import Recipe, reads_key
 
@@ -82,16 +85,7 @@ class QuantizedLinear(eqx.Module):
         The layer's output, `[out_features]` (`()` for `out_features="scalar"`).
         """
         key = self.key if key is None else key
-        if key is not None:
-            check_key("QuantizedLinear", key)
-        random = reads_key(self.recipe.products())
-        if random and key is None:
-            raise TypeError(
-                f"`QuantizedLinear`: its recipe draws random numbers "
-                f"({', '.join(random)}), so the layer needs a PRNG key: wrap the "
-                "model in `eqxrules.Keyed` and call it with `key=` (it gives each "
-                "layer its own), or call this layer with `key=`."
-            )
+        _needs_key(self, self.recipe, key, "QuantizedLinear")
         linear = self.linear
         if linear.in_features == "scalar":
             x = jnp.reshape(x, (*jnp.shape(x), 1))
@@ -136,21 +130,154 @@ def _features(linear: eqx.nn.Linear) -> str:
     )
 
 
+def _needs_key(layer: Any, recipe: Recipe, key: Any, name: str) -> None:
+    """The checks of a quantised layer's key at its call: a PRNG key if given, and
+    given if the recipe draws."""
+    if key is not None:
+        check_key(name, key)
+    random = reads_key(recipe.products())
+    if random and key is None:
+        raise TypeError(
+            f"`{name}`: its recipe draws random numbers "
+            f"({', '.join(random)}), so the layer needs a PRNG key: wrap the "
+            "model in `eqxrules.Keyed` and call it with `key=` (it gives each "
+            "layer its own), or call this layer with `key=`."
+        )
+
+
+class QuantizedConv(eqx.Module):
+    """An `eqx.nn.Conv` (`Conv1d`, `Conv2d`, `Conv3d`) whose convolution is
+    [`quantized_conv`][eqxrules.quantized_conv] with `recipe`: the value is that of
+    `conv`, with `lax.conv_general_dilated` replaced by `quantized_conv(x,
+    conv.weight, conv.stride, conv.padding, rhs_dilation=conv.dilation,
+    feature_group_count=conv.groups, recipe=recipe, key=key)`, and the bias added
+    in the output's precision, unquantised. The float weight and bias are what is
+    trained.
+
+    Built by [`quantize`][eqxrules.quantize] with `recipe=`. A recipe that draws
+    random numbers needs a key at every call: wrap the model in
+    [`Keyed`][eqxrules.Keyed], which gives each layer its own. Under `jax.vmap`
+    over examples, the mapped axis joins the convolution's batch, so the
+    weight-gradient product's blocks and per-tensor scales see the whole batch.
+
+    **Arguments:**
+
+    - `conv`: the `eqx.nn.Conv`, with `padding_mode="ZEROS"` (another mode is a
+        `ValueError`). The forward product's blocks must divide its input channels
+        per group (the weight's axis 1) and the input-gradient product's its
+        `out_channels`; its recipe must have no Hadamard transform (a `ValueError`
+        otherwise, see `quantized_conv`).
+    - `recipe`: an [`eqxrules.recipes.Recipe`][].
+    - `key`: a key to use when the call gives none (set by `Keyed` for one call;
+        leave it `None`).
+    - `path`: where the layer is in its model, as `model.layers[1]` (`quantize`
+        sets it), for messages and reading a model.
+    """
+
+    conv: eqx.nn.Conv
+    recipe: Recipe = eqx.field(static=True)
+    key: PRNGKeyArray | None = None
+    path: str | None = eqx.field(default=None, static=True, kw_only=True)
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.conv, eqx.nn.Conv):
+            raise TypeError(
+                f"`QuantizedConv`: `conv` (a {type(self.conv).__name__}) must be an "
+                "`eqx.nn.Conv` (`Conv1d`, `Conv2d`, `Conv3d`)."
+            )
+        check_conv_layer(self.conv, self.recipe, "QuantizedConv", "`conv`")
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        """**Arguments:**
+
+        - `x`: the input, `[in_channels, *spatial]` as `eqx.nn.Conv` takes it, or
+            a batch of them, `[batch, in_channels, *spatial]`.
+        - `key`: a PRNG key, if the recipe needs one (else ignored); defaults to
+            the layer's own `key`.
+
+        **Returns:**
+
+        The layer's output, `[out_channels, *spatial']` (with the batch in front
+        if `x` has one).
+        """
+        key = self.key if key is None else key
+        _needs_key(self, self.recipe, key, "QuantizedConv")
+        conv = self.conv
+        n = conv.num_spatial_dims
+        if jnp.ndim(x) not in (n + 1, n + 2):
+            raise ValueError(
+                f"`QuantizedConv`: `x` (shape {jnp.shape(x)}) must have rank {n + 1} "
+                f"([in_channels, *spatial]) or {n + 2} (with a batch in front)."
+            )
+        unbatched = jnp.ndim(x) == n + 1
+        y = quantized_conv(
+            x[None] if unbatched else x,
+            conv.weight,
+            conv.stride,
+            conv.padding,
+            rhs_dilation=conv.dilation,
+            feature_group_count=conv.groups,
+            recipe=self.recipe,
+            key=key,
+        )
+        y = y[0] if unbatched else y
+        if conv.bias is not None:
+            y = y + conv.bias
+        return y
+
+
+def check_conv_layer(conv: eqx.nn.Conv, recipe: Recipe, function: str, name: str):
+    """A `ValueError` from `function`, naming the layer as `name`, unless `recipe`
+    can compute `conv` (see `QuantizedConv`); a `TypeError` unless it is a
+    recipe."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"`{function}`: `recipe` (={recipe!r}) must be an "
+            "`eqxrules.recipes.Recipe`, e.g. `eqxrules.recipes.mxfp8()`."
+        )
+    described = (
+        f"an `eqx.nn.Conv` with `in_channels`={conv.in_channels}, "
+        f"`out_channels`={conv.out_channels}, `groups`={conv.groups}, weight shape "
+        f"{tuple(conv.weight.shape)}"
+    )
+    mode = getattr(conv, "padding_mode", "ZEROS")
+    if mode != "ZEROS":
+        raise ValueError(
+            f"`{function}`: {name} ({described}) has `padding_mode`={mode!r}; a "
+            "recipe computes convolutions with `padding_mode='ZEROS'` only."
+        )
+    axes = tuple(range(conv.num_spatial_dims + 2))
+    op = Conv((), "VALID", None, None, (axes, axes, axes), conv.groups)
+    try:
+        check_conv(function, op, recipe.products(), conv.weight.shape)
+    except ValueError as e:
+        advice = " Leave it out with `where=`." if function == "quantize" else ""
+        message = str(e).removeprefix(f"`{function}`: ")
+        raise ValueError(
+            f"`{function}`: {name} ({described}) cannot take `recipe`: "
+            f"{message}{advice}"
+        ) from None
+
+
+LAYERS = (QuantizedLinear, QuantizedConv)
+
+
 def _is_layer(node: Any) -> bool:
-    return isinstance(node, QuantizedLinear)
+    return isinstance(node, LAYERS)
 
 
-def _layers(model: Any) -> list[QuantizedLinear]:
+def _layers(model: Any) -> list[Any]:
     return [n for n in jtu.tree_leaves(model, is_leaf=_is_layer) if _is_layer(n)]
 
 
 class Keyed(eqx.Module):
-    """A model whose [`QuantizedLinear`][eqxrules.QuantizedLinear] layers each get a
-    key of their own at every call, whether or not the model passes keys to its
+    """A model whose quantised layers ([`QuantizedLinear`][eqxrules.QuantizedLinear],
+    [`QuantizedConv`][eqxrules.QuantizedConv]) each get a key of their own at every
+    call, whether or not the model passes keys to its
     layers (`eqx.nn.MLP` does not).
 
     Called as `keyed(*args, key=key, **kwargs)`: `key` is split into one key per
-    `QuantizedLinear` (in the order of the model's leaves) and one more, passed to
+    quantised layer (in the order of the model's leaves) and one more, passed to
     the model itself if it takes a `key` (for its dropout, say). Each layer's key
     lives in a copy of the model made for this call only, so the stored model
     never holds one: a call without `key`, when a layer's recipe needs one, is a
@@ -170,7 +297,8 @@ class Keyed(eqx.Module):
 
     **Arguments:**
 
-    - `model`: any model; its `QuantizedLinear` layers are the ones keyed.
+    - `model`: any model; its `QuantizedLinear` and `QuantizedConv` layers are the
+        ones keyed.
     """
 
     model: Any
