@@ -599,7 +599,7 @@ def _map(f: Any, args: tuple[Any, ...], mapped: tuple[bool, ...]) -> Array:
     return jax.lax.map(one, [a for a, m in zip(args, mapped) if m])
 
 
-class Bilinear(VJPRule):
+class _Bilinear(VJPRule):
     """The quantised core as a rule of the library's one custom-VJP function (so
     its cotangents have their primals' dtypes, and forward mode is a clear
     error): `op` computed with the three products of `recipe`."""

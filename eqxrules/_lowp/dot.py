@@ -2,7 +2,7 @@ r"""The public quantised products over `lax.dot_general`:
 [`quantized_dot_general`][eqxrules.quantized_dot_general],
 [`quantized_einsum`][eqxrules.quantized_einsum] and
 [`quantized_dot`][eqxrules.quantized_dot], a linear layer's product. Each checks
-its arguments, then runs the quantised core (`core.Bilinear`) on a `core.DotGeneral`
+its arguments, then runs the quantised core (`core._Bilinear`) on a `core.DotGeneral`
 operation, whose dimension numbers say what each of the three products contracts.
 """
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._inputs import check_float_array, check_key
-from .core import Bilinear, DotGeneral, Op
+from .core import DotGeneral, Op, _Bilinear
 from .recipes import Custom, Product, Recipe, block_lengths, reads_key
 
 _NAME = "quantized_dot"
@@ -51,7 +51,7 @@ def check_call(
 def run(op: Op, products: Custom, a: Array, b: Array, key: Any, random: bool):
     """The quantised core on `op`. A key the recipe does not read is dropped, so
     that it cannot constrain `vmap`."""
-    return Bilinear(op, products)(a, b, key=key if random else None)
+    return _Bilinear(op, products)(a, b, key=key if random else None)
 
 
 def length_error(

@@ -9,9 +9,8 @@ import abc
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -81,9 +80,10 @@ class BlockQuantizer(JVPRule):
     to put the blocks along the contracted dimension; a subclass may override it.
     """
 
-    block_size: eqx.AbstractVar[int]
-    axis: eqx.AbstractVar[Any]
-    rounding: eqx.AbstractVar[str]
+    if TYPE_CHECKING:  # each subclass's own fields, in its own order
+        block_size: int
+        axis: Any
+        rounding: str
 
     elementwise: ClassVar[bool] = False
     domain: ClassVar[Domain] = Domain(shape=(4, 32))
@@ -129,12 +129,14 @@ class BlockQuantizer(JVPRule):
         out: Any,
         **kwargs: Any,
     ) -> Any:
+        """The straight-through tangent `t`: the scales are held fixed."""
         (t,) = t_args
         return t
 
     def reference_derivative(
         self, x: Array, *, key: PRNGKeyArray | None = None
     ) -> Array:
+        """The straight-through derivative's reference: the identity."""
         return x
 
     def needs_key(self) -> bool:
@@ -144,6 +146,7 @@ class BlockQuantizer(JVPRule):
     def primal(
         self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "*shape"]:
+        """The quantised value of `x` (rounding stochastically with `key`)."""
         return self._with_bits(x, _bits(self, x, key))
 
     @abc.abstractmethod
@@ -152,6 +155,7 @@ class BlockQuantizer(JVPRule):
         per element of `x`), or to nearest where `bits` is `None`."""
 
     def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        """The reference value, drawing as documented."""
         return self._reference(x, _reference_bits(self, x, key))
 
     @abc.abstractmethod
