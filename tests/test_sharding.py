@@ -177,3 +177,26 @@ def test_quantized_dot_needs_no_collective_beyond_jnp_dots(sharded):
 def test_the_collective_check_catches_blocks_straddling_devices(sharded):
     planted = sharded["quantized_dot"][PLANTED_QDOT]
     assert extra_collectives(planted["collectives"], planted["plain"]) != []
+
+
+QCONV_RECIPES = ("identity", "mxfp8", "fp8", "nvfp4")
+
+
+def test_quantized_conv_sharded_equals_one_device(sharded):
+    """Value and cotangents of a `vmap`ped `quantized_conv` under `jit`, the batch
+    sharded over 8 devices, equal the one-device run's within the float32 bound
+    (per-tensor scales and blocks over the whole batch); the planted straddling
+    blocks too (only their collectives differ)."""
+    results = sharded["quantized_conv"]
+    for name in (*QCONV_RECIPES, PLANTED_QDOT):
+        assert results[name]["failures"] == [], name
+
+
+def test_quantized_conv_needs_no_collective_beyond_a_plain_convs(sharded):
+    results = sharded["quantized_conv"]
+    for name in QCONV_RECIPES:
+        plain = results[name]["plain"]
+        assert plain == [["all-reduce", [32 * 32 * 3 * 3]]]  # the kernel's cotangent
+        assert extra_collectives(results[name]["collectives"], plain) == [], name
+    planted = results[PLANTED_QDOT]
+    assert extra_collectives(planted["collectives"], planted["plain"]) != []
