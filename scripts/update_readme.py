@@ -67,6 +67,12 @@ LOWP_LABELS = {
     "in float32 (`Custom(fwd=...)`)",
     "nvfp4 gradients only": "`nvfp4()`'s two gradient products alone (SR and RHT "
     "included), its forward product in float32 (`Custom(dx=..., dw=...)`)",
+    "nvfp4, 1x16 weight blocks": "`nvfp4()` with 1×16 weight blocks along each "
+    "product's reduced dimension (`NVFP4(square_weight_blocks=False)`)",
+    "nvfp4, last block in mxfp8": "`nvfp4()`, the last block's four linear layers "
+    "in `mxfp8()` (a recipe per layer, by its path)",
+    "mxfp8, attention products too": "`mxfp8()`, and the attention's `q·kᵀ` and "
+    "`p·v` in `mxfp8()` too (`quantized_einsum`)",
 }
 _LOWP_HEADER = (
     "| recipe (`ROWS` in the example) | validation loss, nats per character | "

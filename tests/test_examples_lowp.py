@@ -71,8 +71,14 @@ def row_problems(example: Any, row: Any, r: dict, reference: dict) -> list[str]:
         0 if row.recipe is None else linears
     ):
         out.append(f"{name}: {len(quantised)} of the {linears} layers quantised")
-    if any(q.recipe != row.recipe for q in quantised):
-        out.append(f"{name}: a layer has another recipe than the row's")
+    recipe_of = example.layer_recipes(row, example.QUICK)
+    for q in quantised:
+        path = q.path.removeprefix("model.")
+        want = recipe_of(path) if callable(recipe_of) else recipe_of
+        if q.recipe != want:
+            out.append(f"{name}: the layer at {path} has another recipe than the row's")
+    if any(b.attention.products != row.attention for b in model.blocks):
+        out.append(f"{name}: an attention's products are not the row's")
     g, ref = np.asarray(r["gradients"]), np.asarray(reference["gradients"])
     if len(g) != linears or not np.all(g > 0):
         out.append(f"{name}: a linear layer got no weight gradient: {g}")
@@ -99,7 +105,15 @@ def test_lowp_training_quick_trains_every_row(example, quick):
         recipes.Custom(
             dx=recipes.nvfp4().products().dx, dw=recipes.nvfp4().products().dw
         ),
+        recipes.NVFP4(square_weight_blocks=False),
+        example.LastBlock(recipes.nvfp4(), recipes.mxfp8()),
+        recipes.mxfp8(),
     ]
+    assert [row.attention for row in example.ROWS] == [None] * 9 + [recipes.mxfp8()]
+    # The per-layer row's function: the last block's layers in mxfp8().
+    per_layer = example.ROWS[8].recipe.for_depth(2)
+    assert per_layer("blocks[1].mlp_in") == recipes.mxfp8()
+    assert per_layer("blocks[0].mlp_in") == recipes.nvfp4()
     assert results["corpus"]["ascii"]  # so a byte is a character
     assert results["corpus"]["files"] == sorted(results["corpus"]["files"])
 

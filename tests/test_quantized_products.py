@@ -70,6 +70,15 @@ DOT_CASES = {
         (((2,), (1,)), ((0,), (0,))),
         {"fwd": ((2,), (1,)), "da": ((2,), (2,)), "db": ((1,), (1,))},
     ),
+    # Heads in the middle of q and k, first in the scores (h q k), 16 tokens: the
+    # gradient products of blocks of 32 pad, their batch dimension at another
+    # position in each operand.
+    "heads_middle": (
+        (16, 2, 64),
+        (16, 2, 64),
+        (((2,), (2,)), ((1,), (1,))),
+        {"fwd": ((2,), (2,)), "da": ((2,), (0,)), "db": ((0,), (1,))},
+    ),
     # Two contracted dimensions, flattened as one; a free length of 4 (padded).
     "two_contracted": (
         (4, 2, 32),
@@ -82,7 +91,7 @@ DOT_CASES = {
 # The axes of `rhs` that square blocks (`recipes.nvfp4()`'s kernel) cover: its
 # contracted and free dimension. The other cases (a ragged or flattened
 # contraction) take 1x16 blocks (`square_weight_blocks=False`).
-SQUARE = {"matmul": (0, 1), "scores": (1, 2)}
+SQUARE = {"matmul": (0, 1), "scores": (1, 2), "heads_middle": (0, 2)}
 NVFP4_1D = recipes.NVFP4(square_weight_blocks=False)
 
 # (lhs shape, rhs shape, strides, padding, dilations, dimension numbers, groups,
@@ -454,6 +463,24 @@ def test_vmap_joins_the_rows():
     got = (mapped[0], *mapped[1](dy))
     want = (batch[0].reshape(3, 4, 32, 9), *batch[1](dy.reshape(12, 32, 9)))
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_vmap_over_both_operands_is_one_batched_product():
+    """Attention's q and k, both per example: the mapped axis is one more batch
+    dimension, never blocked across; with block quantisers, each example's
+    products are those of its own call."""
+    r = recipes.mxfp8()
+    q, k = _data(((5, 16, 2, 64), (5, 16, 2, 64)), "random")
+
+    def f(a, b):
+        return eqxrules.quantized_einsum("qhd,khd->hqk", a, b, recipe=r)
+
+    dy = _data([(5, 2, 16, 16)], "random")[0]
+    got = _vjp(jax.vmap(f), q, k, dy)
+    each = [_vjp(f, q[i], k[i], dy[i]) for i in range(5)]
+    assert all(
+        np.array_equal(g, np.stack([e[j] for e in each])) for j, g in enumerate(got)
+    )
 
 
 # Planted defects: each must make the check above fail.

@@ -166,6 +166,10 @@ def lowp_record_problems(figures: dict, example) -> list[str]:
             problems.append(f"{row.name}: {len(v)} seeds")
         if r["recipe"] != (None if row.recipe is None else repr(row.recipe)):
             problems.append(f"{row.name}: recipe {r['recipe']}")
+        if r.get("attention") != (
+            None if row.attention is None else repr(row.attention)
+        ):
+            problems.append(f"{row.name}: attention {r.get('attention')}")
         if r["target_percent"] != row.target:
             problems.append(f"{row.name}: target {r['target_percent']}")
         if not (

@@ -16,6 +16,7 @@ from . import (
     checker,
     exactness,
     overhead,
+    quantized_conv,
     quantized_dot,
     residuals,
     sr_step,
@@ -38,4 +39,5 @@ SECTIONS = (
     unbiased,
     quantized_dot,
     sr_step,
+    quantized_conv,
 )

@@ -173,8 +173,14 @@ def _equal(a: Any, b: Any, args: tuple[Any, ...]) -> bool:
 
 def _row(name: str, shape: tuple[int, int, int], job: Job) -> list[dict[str, Any]]:
     recipe = RECIPES[name]
-    args = problem(recipe, shape)
-    figures = measure(recipe, shape)
+    return rows_of(name, shape, problem(recipe, shape), measure(recipe, shape), job)
+
+
+def rows_of(
+    name: str, shape: Any, args: tuple[Any, ...], figures: dict[str, Any], job: Job
+) -> list[dict[str, Any]]:
+    """The rows (whole batch, then `vmap`) of one recipe and shape, from the XLA
+    `figures` of each way of computing it on `args`, with their wall times."""
     hand, f32 = figures["hand"], figures["float32"]
     rows = []
     for mode in ("eqxrules", "vmapped"):
@@ -219,18 +225,30 @@ def run(job: Job) -> dict[str, Any]:
 _MODES = {"eqxrules": "whole batch", "vmapped": "`vmap` over examples"}
 
 
+def _shape(shape: list[int]) -> str:
+    m, k, n = shape
+    return f"{m}x{k} @ {k}x{n}"
+
+
 def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
+    return render_rows(NAME, res, results, _shape)
+
+
+def render_rows(
+    name: str, res: dict[str, Any] | None, results: dict[str, Any], shape: Any
+) -> list[str]:
+    """The section `name`'s lines: its two tables and its goals, each row's
+    operands written by `shape`."""
     if res is None:
         return []
     rows = res["rows"]
     lines = report.opening(
-        NAME, res, results, xla_target=XLA_TARGET, wall_target=WALL_TARGET
+        name, res, results, xla_target=XLA_TARGET, wall_target=WALL_TARGET
     )
     for r in rows:
         o, h = r["figures"][r["mode"]], r["figures"]["hand"]
-        m, k, n = r["shape"]
         lines.append(
-            f"| {r['recipe']} | {m}x{k} @ {k}x{n} | {_MODES[r['mode']]} | "
+            f"| {r['recipe']} | {shape(r['shape'])} | {_MODES[r['mode']]} | "
             f"{o['flops']:.4g} | {report.mib(o['temp'])} | "
             f"{report.ratio(o['flops'], h['flops'])} | "
             f"{report.ratio(o['bytes'], h['bytes'])} | "
@@ -238,20 +256,19 @@ def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
             f"{'yes' if r['same_program'] else 'no'} | "
             f"{'yes' if r['equal'] else 'no'} |"
         )
-    lines += report.fill(NAME, "wall", pairs=res["pairs"], target_s=res["target_s"])
+    lines += report.fill(name, "wall", pairs=res["pairs"], target_s=res["target_s"])
     for r in rows:
         w = r["wall"]
-        m, k, n = r["shape"]
         o, f = r["figures"][r["mode"]], r["float32"]
         lines.append(
-            f"| {r['recipe']} | {m}x{k} @ {k}x{n} | {_MODES[r['mode']]} | "
+            f"| {r['recipe']} | {shape(r['shape'])} | {_MODES[r['mode']]} | "
             f"{w['hand']['a_s'] * 1e3:.1f} | {w['hand']['b_s'] * 1e3:.1f} | "
             f"{report.spread(w['hand'])} | "
             f"{report.spread(w.get('float32'))} | "
             f"{report.ratio(o['flops'], f['flops'])} | "
             f"{report.mib(f['temp'])} | {r['load']:.1f} |"
         )
-    return lines + _goals(rows) + [""]
+    return lines + _goals(name, rows) + [""]
 
 
 def within_xla(row: dict[str, Any]) -> bool:
@@ -261,10 +278,10 @@ def within_xla(row: dict[str, Any]) -> bool:
     return o["flops"] <= XLA_TARGET * h["flops"] and o["temp"] <= XLA_TARGET * h["temp"]
 
 
-def _goals(rows: list[dict[str, Any]]) -> list[str]:
+def _goals(name: str, rows: list[dict[str, Any]]) -> list[str]:
     walls = [r["wall"]["hand"]["median"] for r in rows]
     lines = report.fill(
-        NAME,
+        name,
         "goals",
         xla_within=sum(within_xla(r) for r in rows),
         same=sum(r["same_program"] for r in rows),

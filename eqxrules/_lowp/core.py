@@ -108,6 +108,13 @@ class Op(eqx.Module):
         at 0), joined to the rows: `a`'s free dimensions for a contraction, its
         batch for a convolution."""
 
+    def with_mapped_both(self) -> Op | None:
+        """The operation on `a` and `b` each with one more leading axis (`vmap`'s
+        mapped axis, at 0), as one more batch dimension of both, or `None` where
+        the operation has no batch dimension to add (a convolution: then each
+        slice is its own product). The result, and each cotangent, has it at 0."""
+        return None
+
     @abc.abstractmethod
     def fold(self, v: Array, what: str) -> Array:
         """`v` (`"a"` or `"y"`, the cotangent, as laid out under `vmap`: the mapped
@@ -218,6 +225,18 @@ class DotGeneral(Op):
         return DotGeneral(
             ((shift[0], bc), (shift[1], bb)),
             (self.ndims[0] + 1, self.ndims[1]),
+            name=self.name,
+        )
+
+    def with_mapped_both(self) -> DotGeneral:
+        (ac, bc), (ab, bb) = self.dimension_numbers
+
+        def shift(axes: _Axes) -> _Axes:
+            return tuple(d + 1 for d in axes)
+
+        return DotGeneral(
+            ((shift(ac), shift(bc)), ((0, *shift(ab)), (0, *shift(bb)))),
+            (self.ndims[0] + 1, self.ndims[1] + 1),
             name=self.name,
         )
 
@@ -463,9 +482,8 @@ def _contracted(
         prepared.append(
             (f if q is None else _call(q, f, axis, k, where), axis, position)
         )
-    if swap:
+    if swap:  # the form's dimension numbers are of the swapped operands
         prepared.reverse()
-        batch = batch[::-1]
     (a, a_axis, a_pos), (b, b_axis, b_pos) = prepared
     dimension_numbers = (
         ((a_axis,), (b_axis,)),
@@ -527,8 +545,10 @@ def _product(op: Op, role: str, spec: Product) -> Any:
     """`product`'s function. Under `vmap`, `custom_vmap` traces it on one example,
     then replaces it with its rule's: with only the rows mapped (`a` and the
     cotangent), the same product of `op.with_mapped_lhs()` on the whole batch; with
-    `b` mapped (an ensemble) or only the key (independent draws), each slice its own
-    product (`lax.map`, so that an enclosing `vmap` still reaches this rule)."""
+    both operands mapped and a contraction, that of `op.with_mapped_both()` (one
+    more batch dimension); with `b` mapped alone (an ensemble), a convolution's
+    both, or only the key (independent draws), each slice its own product
+    (`lax.map`, so that an enclosing `vmap` still reaches this rule)."""
     kinds, out_kind = _ROWS[role]
 
     @custom_vmap
@@ -541,6 +561,14 @@ def _product(op: Op, role: str, spec: Product) -> Any:
         key_b = any(jtu.tree_leaves(key_b))
         rows_b = any(b for b, kind in zip(arrays_b, kinds) if kind)
         other_b = any(b for b, kind in zip(arrays_b, kinds) if not kind)
+        both = op.with_mapped_both()
+        if rows_b and other_b and not key_b and both is not None:
+            # Both operands mapped (attention's q and k, per example): one more
+            # batch dimension, at 0 in every operand and in the result.
+            args = [
+                _broadcast(v, b, size) for v, b in zip((lhs, rhs, witness), arrays_b)
+            ]
+            return product(both, role, spec)(*args, key), True
         if other_b or (key_b and not rows_b):
             args, mapped = (lhs, rhs, witness, key), (*arrays_b, key_b)
             return _map(run, args, mapped), True

@@ -179,7 +179,10 @@ def quantized_dot_general(
     - **Under `jax.vmap`**, a mapped `lhs` (with `rhs` unmapped) becomes one more
         free dimension of `lhs`: it joins the rows, which the weight-gradient
         product contracts, so its blocks and per-tensor scales see the whole
-        batch, as one call on the batch would. A mapped `rhs`, or a mapped `key`
+        batch, as one call on the batch would. Both mapped (attention's `q` and
+        `k`, per example), the mapped axis is one more batch dimension of both:
+        one product on the whole batch, no block across it (a per-tensor scale
+        spans it, as it spans the rows). A mapped `rhs` alone, or a mapped `key`
         alone, maps the whole product (each slice its own scales); a mapped `key`
         with a mapped `lhs` is a `ValueError`.
 

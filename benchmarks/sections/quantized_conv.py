@@ -1,0 +1,165 @@
+"""`quantized_conv` forward and backward, against the same steps written by hand
+(issue 26 §7): section 9's measurement for a convolution.
+
+For each recipe (`mxfp8()`, `fp8()`, `nvfp4()` without its Hadamard transform,
+which a convolution refuses, with and without stochastic rounding) and each shape,
+a jitted `value_and_grad` with respect to `x` and `w` of `vdot(f(x, w), dy)`,
+where `f` is
+
+- `quantized_conv(x, w, (1, 1), "SAME")` on the whole batch (NCHW, OIHW), and
+  under `jax.vmap` over the examples (as an `eqx.nn.Conv2d` sees them);
+- `hand_written(recipe)`: one `jax.custom_vjp` written as a careful user would for
+  the same recipe: the forward product's operands quantised by the recipe's public
+  quantisers along the input channels (axis 1 of `x` and `w`), the input
+  gradient's along the output channels (axis 1 of `dy`, axis 0 of `w`), the weight
+  gradient's along the batch and positions (each operand's channels moved first
+  and the rest flattened), the keys split as `quantized_conv` documents, then the
+  convolution and its two transposes (`jax.vjp` of `lax.conv_general_dilated`);
+- `lax.conv_general_dilated` in float32, unquantised (for information)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqxrules
+from eqxrules import recipes
+from eqxrules._lowp.recipes import reads_key
+
+from .. import xla
+from ..config import Job
+from .quantized_dot import PAIRS, TARGET_S, render_rows, rows_of
+
+NAME = "quantized_conv"
+DEFAULT = True
+F32 = jnp.float32
+_NO_RHT = dataclasses.replace(recipes.nvfp4(), hadamard=None)
+RECIPES = {
+    "mxfp8()": recipes.mxfp8(),
+    "fp8()": recipes.fp8(),
+    "nvfp4(), no RHT": _NO_RHT,
+    "nvfp4(), no SR, no RHT": dataclasses.replace(_NO_RHT, gradient_rounding="nearest"),
+}
+# (batch, input channels, output channels, height = width), 3x3 kernels.
+SHAPES = {False: ((64, 32, 64, 16), (32, 64, 128, 32)), True: ((8, 32, 32, 8),)}
+
+
+def _conv(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", preferred_element_type=F32
+    )
+
+
+def _along(q: Any, v: jax.Array, axis: int, key: Any) -> jax.Array:
+    """`q` on `v` with its blocks along `axis` (square blocks over the kernel's
+    output and input channels, axes 0 and 1, as they are)."""
+    if q is None:
+        return v
+    if isinstance(q, eqxrules.BlockQuantizer) and not isinstance(q.axis, tuple):
+        q = dataclasses.replace(q, axis=axis)
+    return q(v, key=key)
+
+
+def _positions(q: Any, v: jax.Array, key: Any) -> jax.Array:
+    """`q` on `v` (NCHW) with its blocks along the batch and positions: the
+    channels moved first, the rest flattened (whose length the shapes' blocks
+    divide). An elementwise `q` (one scale per tensor) has no blocks to lay out."""
+    if not isinstance(q, eqxrules.BlockQuantizer):
+        return v if q is None else q(v, key=key)
+    moved = jnp.moveaxis(v, 1, -1)
+    flat = moved.reshape(-1, moved.shape[-1])
+    return jnp.moveaxis(_along(q, flat, 0, key).reshape(moved.shape), -1, 1)
+
+
+def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
+    """`f(x, w, key)` for NCHW `x` and OIHW `w`: the recipe's three products in one
+    plain `jax.custom_vjp`, keys split as `quantized_conv` documents."""
+    p = recipe.products()
+
+    def keys(key, n=3):
+        return (None,) * n if key is None else tuple(jax.random.split(key, n))
+
+    @jax.custom_vjp
+    def f(x, w, key):
+        k_x, k_w, _ = keys(keys(key)[0])
+        return _conv(_along(p.fwd.lhs, x, 1, k_x), _along(p.fwd.rhs, w, 1, k_w))
+
+    def f_fwd(x, w, key):
+        return f(x, w, key), (x, w, key)
+
+    def f_bwd(residuals, dy):
+        x, w, key = residuals
+        _, k_dx, k_dw = keys(key)
+        k_g, k_w, _ = keys(k_dx)
+        q_w = _along(p.dx.rhs, w, 0, k_w)
+        dx = jax.vjp(lambda a: _conv(a, q_w), x)[1](_along(p.dx.lhs, dy, 1, k_g))[0]
+        k_x, k_g, _ = keys(k_dw)
+        q_x = _positions(p.dw.lhs, x, k_x)
+        dw = jax.vjp(lambda b: _conv(q_x, b), w)[1](_positions(p.dw.rhs, dy, k_g))[0]
+        return dx, dw, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def losses(recipe: recipes.Recipe) -> dict[str, Callable[..., jax.Array]]:
+    """`loss(x, w, dy, key) = vdot(f(x, w), dy)` for each way of computing `f`."""
+
+    def ours(x, w, key):
+        return eqxrules.quantized_conv(x, w, (1, 1), "SAME", recipe=recipe, key=key)
+
+    def vmapped(x, w, key):
+        return jax.vmap(lambda xi: ours(xi[None], w, key)[0])(x)
+
+    def loss(f):
+        return lambda x, w, dy, key: jnp.vdot(f(x, w, key), dy)
+
+    return dict(
+        eqxrules=loss(ours),
+        vmapped=loss(vmapped),
+        hand=loss(hand_written(recipe)),
+        float32=loss(lambda x, w, key: _conv(x, w)),
+    )
+
+
+def problem(recipe: recipes.Recipe, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """`(x, w, dy, key)`: normal data, `w` scaled by `1/√(9·C)`."""
+    n, c, o, s = shape
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, s, s)).astype(np.float32)
+    w = (rng.standard_normal((o, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32)
+    dy = rng.standard_normal((n, o, s, s)).astype(np.float32)
+    key = jax.random.key(0) if reads_key(recipe.products()) else None
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy), key
+
+
+def _row(name: str, shape: tuple[int, ...], job: Job) -> list[dict[str, Any]]:
+    recipe = RECIPES[name]
+    args = problem(recipe, shape)
+    figures = {
+        v: xla.figures(jax.value_and_grad(loss, (0, 1)), *args)
+        for v, loss in losses(recipe).items()
+    }
+    return rows_of(name, shape, args, figures, job)
+
+
+def run(job: Job) -> dict[str, Any]:
+    rows = []
+    for shape in SHAPES[job.quick]:
+        for name in RECIPES:
+            rows += _row(name, shape, job)
+    return dict(rows=rows, pairs=PAIRS[job.quick], target_s=TARGET_S[job.quick])
+
+
+def _shape(shape: list[int]) -> str:
+    n, c, o, s = shape
+    return f"{n}x{c}x{s}x{s} * {o}x{c}x3x3"
+
+
+def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
+    return render_rows(NAME, res, results, _shape)
