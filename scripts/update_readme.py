@@ -8,10 +8,11 @@ fail until this has been run after a rule or a check changes:
 The README's figures of `examples/qat_digits.py`, its QAT table and its row of the
 examples table, are generated from one recorded run, `examples/qat_digits.json`;
 so are those of `examples/lowp_training.py`, its low-precision training table and
-its row, from `examples/lowp_training.json`. `python scripts/update_readme.py
---figures` runs both examples in full mode (about four and ten minutes: run them on
-a quiet machine) to record them again first; `--figures=qat` or `--figures=lowp`
-runs one."""
+its row, from `examples/lowp_training.json`; and the row of
+`examples/lowp_cnn_digits.py`, from `examples/lowp_cnn_digits.json`. `python
+scripts/update_readme.py --figures` runs the three examples in full mode (about
+four, ten and two minutes: run them on a quiet machine) to record them again
+first; `--figures=qat`, `--figures=lowp` or `--figures=cnn` runs one."""
 
 import inspect
 import json
@@ -79,6 +80,10 @@ _LOWP_HEADER = (
     "vs float32 | target (issue 19) |\n|---|---|---|---|"
 )
 _LOWP_ROW = "| `lowp_training.py` |"
+
+CNN_EXAMPLE = ROOT / "examples" / "lowp_cnn_digits.py"
+CNN_FIGURES = CNN_EXAMPLE.with_suffix(".json")
+_CNN_ROW = "| `lowp_cnn_digits.py` |"
 
 
 def _replace(text: str, name: str, body: str) -> str:
@@ -215,6 +220,21 @@ def lowp_example_row(figures: dict) -> str:
     )
 
 
+def cnn_example_row(figures: dict) -> str:
+    """The examples table's row for `lowp_cnn_digits.py`, from a recorded run: each
+    row's mean test accuracy, and the recipe of the layers no block divides."""
+    rows = figures["rows"]
+    means = ", ".join(f"{r['name']} {r['mean']:.1%}" for r in rows)
+    edges = {r["recipes"][p] for r in rows[1:] for p in ("conv1", "classifier")}
+    return (
+        f"{_CNN_ROW} a small CNN trained with FP8, MXFP8 and NVFP4 recipes, one per "
+        "layer by its path (`quantize(cnn, recipe=lambda path: ...)`, "
+        f"`QuantizedConv`, `Keyed`) against float32 | {figures['seconds']:.0f} s | "
+        f"test accuracy {means} ({len(figures['settings']['seeds'])} seeds; first "
+        f"conv and classifier {' or '.join(sorted(edges))}) |"
+    )
+
+
 def _record(example: pathlib.Path) -> None:
     """Run `example` in full mode with `--record`, writing its JSON beside it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -236,7 +256,12 @@ def main() -> None:
     text = _replace(text, "qat-table", qat_table(figures))
     lowp = json.loads(LOWP_FIGURES.read_text())
     text = _replace(text, "lowp-table", lowp_table(lowp))
-    rows = {_QAT_ROW: qat_example_row(figures), _LOWP_ROW: lowp_example_row(lowp)}
+    cnn = json.loads(CNN_FIGURES.read_text())
+    rows = {
+        _QAT_ROW: qat_example_row(figures),
+        _LOWP_ROW: lowp_example_row(lowp),
+        _CNN_ROW: cnn_example_row(cnn),
+    }
     text = "\n".join(
         next((row for start, row in rows.items() if line.startswith(start)), line)
         for line in text.split("\n")
@@ -249,7 +274,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    for name, example in (("qat", QAT_EXAMPLE), ("lowp", LOWP_EXAMPLE)):
+    examples = (("qat", QAT_EXAMPLE), ("lowp", LOWP_EXAMPLE), ("cnn", CNN_EXAMPLE))
+    for name, example in examples:
         if "--figures" in sys.argv or f"--figures={name}" in sys.argv:
             _record(example)
     main()

@@ -145,25 +145,34 @@ def test_examples_row_of_lowp_training_is_the_recorded_run():
     assert rows == [update.lowp_example_row(_lowp_figures())]
 
 
-def lowp_record_problems(figures: dict, example) -> list[str]:
-    """Where the recorded run is not a full run of today's example: other rows,
-    recipes, targets or settings, another number of seeds, a row the README has
-    no words for, or a summary that does not follow from the seeds' losses."""
-    update = _script(ROOT / "scripts" / "update_readme.py")
+def full_run_problems(figures: dict, example, values: str) -> list[str]:
+    """Where a recorded run of an example with `ROWS` and `FULL` settings is not a
+    full run of today's example: other rows or settings, or a row with another
+    number of seeds' figures (`values`, the per-seed figures of each row)."""
     problems = []
     if [r["name"] for r in figures["rows"]] != [row.name for row in example.ROWS]:
         problems.append("rows: not the example's `ROWS`")
     full = json.loads(json.dumps(dataclasses.asdict(example.FULL)))
     if figures["settings"] != full:
         problems.append(f"settings: {figures['settings']}, not `FULL`'s {full}")
+    for r, row in zip(figures["rows"], example.ROWS):
+        if len(r[values]) != len(example.FULL.seeds):
+            problems.append(f"{row.name}: {len(r[values])} seeds")
+    return problems
+
+
+def lowp_record_problems(figures: dict, example) -> list[str]:
+    """Where the recorded run is not a full run of today's example: other rows,
+    recipes, targets or settings, another number of seeds, a row the README has
+    no words for, or a summary that does not follow from the seeds' losses."""
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    problems = full_run_problems(figures, example, "validation")
     reference = figures["rows"][0]["validation"]
     reference_mean = sum(reference) / len(reference)
     for r, row in zip(figures["rows"], example.ROWS):
         v = r["validation"]
         mean = sum(v) / len(v)
         gap = 100 * (mean / reference_mean - 1)
-        if len(v) != len(example.FULL.seeds):
-            problems.append(f"{row.name}: {len(v)} seeds")
         if r["recipe"] != (None if row.recipe is None else repr(row.recipe)):
             problems.append(f"{row.name}: recipe {r['recipe']}")
         if r.get("attention") != (
@@ -205,6 +214,74 @@ def test_lowp_record_check_catches_a_quick_run_and_an_edited_mean(load_example):
     edited["rows"][2]["mean"] -= 0.01
     (problem,) = lowp_record_problems(edited, example)
     assert problem.startswith("mxfp8: mean, min, max or gap not of")
+
+
+# `examples/lowp_cnn_digits.py`'s figures: its examples row comes from its
+# recorded run.
+
+
+def _cnn_figures() -> dict:
+    return json.loads((ROOT / "examples" / "lowp_cnn_digits.json").read_text())
+
+
+def test_examples_row_of_lowp_cnn_digits_is_the_recorded_run():
+    """Regenerate with `python scripts/update_readme.py [--figures=cnn]`."""
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    rows = [
+        ln for ln in README.splitlines() if ln.startswith("| `lowp_cnn_digits.py` |")
+    ]
+    assert rows == [update.cnn_example_row(_cnn_figures())]
+
+
+def cnn_record_problems(figures: dict, example) -> list[str]:
+    """Where the recorded run is not a full run of today's CNN example: other rows,
+    settings or layer recipes, another number of seeds, or a summary that does not
+    follow from the seeds' accuracies."""
+    problems = full_run_problems(figures, example, "accuracies")
+    for r, row in zip(figures["rows"], example.ROWS):
+        named = {p: example.recipe_name(row.recipe(p)) for p in example.LAYERS}
+        if r["recipes"] != named:
+            problems.append(f"{row.name}: recipes {r['recipes']}, not {named}")
+        a = r["accuracies"]
+        if not (
+            math.isclose(r["mean"], sum(a) / len(a), rel_tol=1e-12)
+            and (r["min"], r["max"]) == (min(a), max(a))
+        ):
+            problems.append(f"{row.name}: mean, min or max not of {a}")
+    return problems
+
+
+def test_the_cnn_record_is_a_full_run_of_every_row(load_example):
+    # A row, a layer's recipe or a setting changed in the example, or a quick run
+    # recorded, makes the figures stale.
+    example = load_example("lowp_cnn_digits")
+    assert cnn_record_problems(_cnn_figures(), example) == []
+
+
+def test_cnn_record_check_catches_a_quick_run_a_recipe_and_an_edited_mean(
+    load_example,
+):
+    # Planted defects: a quick run's record (one seed, the quick settings), a
+    # layer recorded with another recipe than the example gives it, and a mean
+    # edited by hand.
+    example = load_example("lowp_cnn_digits")
+    quick = copy.deepcopy(_cnn_figures())
+    quick["settings"] = json.loads(json.dumps(dataclasses.asdict(example.QUICK)))
+    for r in quick["rows"]:
+        r["accuracies"] = r["accuracies"][:1]
+        r["mean"] = r["min"] = r["max"] = r["accuracies"][0]
+    problems = cnn_record_problems(quick, example)
+    assert any(p.startswith("settings:") for p in problems), problems
+    assert [p for p in problems if p.endswith(" seeds")] == [
+        f"{row.name}: 1 seeds" for row in example.ROWS
+    ]
+    edited = copy.deepcopy(_cnn_figures())
+    edited["rows"][3]["recipes"]["conv2"] = "nvfp4"
+    edited["rows"][2]["mean"] += 0.001
+    problems = cnn_record_problems(edited, example)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("mxfp8: mean, min or max not of")
+    assert problems[1].startswith("nvfp4: recipes {")
 
 
 # `benchmarks/RESULTS.md`: rendered from RESULTS.json, which measured this catalogue.
