@@ -77,7 +77,7 @@ LOWP_LABELS = {
 }
 _LOWP_HEADER = (
     "| recipe (`ROWS` in the example) | validation loss, nats per character | "
-    "vs float32 | target (issue 19) |\n|---|---|---|---|"
+    "vs float32 | target (issues 19, 26) |\n|---|---|---|---|"
 )
 _LOWP_ROW = "| `lowp_training.py` |"
 

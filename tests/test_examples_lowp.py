@@ -73,7 +73,7 @@ def row_problems(example: Any, row: Any, r: dict, reference: dict) -> list[str]:
         out.append(f"{name}: {len(quantised)} of the {linears} layers quantised")
     recipe_of = example.layer_recipes(row, example.QUICK)
     for q in quantised:
-        path = q.path.removeprefix("model.")
+        path = (q.path or "").removeprefix("model.")
         want = recipe_of(path) if callable(recipe_of) else recipe_of
         if q.recipe != want:
             out.append(f"{name}: the layer at {path} has another recipe than the row's")

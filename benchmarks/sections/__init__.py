@@ -18,6 +18,7 @@ from . import (
     overhead,
     quantized_conv,
     quantized_dot,
+    quantized_dot_general,
     residuals,
     sr_step,
     suite,
@@ -40,4 +41,5 @@ SECTIONS = (
     quantized_dot,
     sr_step,
     quantized_conv,
+    quantized_dot_general,
 )
