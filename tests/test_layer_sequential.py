@@ -65,6 +65,15 @@ def check_takes_key(rule):
         if kinks.size > 1 and isinstance(x, jax.Array):
             mids = np.resize((kinks[1:] + kinks[:-1]) / 2, x.shape)
             samples.append(jnp.asarray(mids, x.dtype))
+            # Points strictly inside the intervals between kinks, a fifth of an
+            # interval away from each end (a grid's midpoints between its rounding
+            # boundaries are its levels, which no key moves): a stochastic rounding
+            # moves each with probability at least 2·0.2·0.8 = 0.32 between two
+            # keys, so a correct rule fails with probability below 0.68^(4·size).
+            for seed in range(4):
+                u = np.random.default_rng(seed).uniform(0.2, 0.8, kinks.size - 1)
+                inner = np.resize(kinks[:-1] + u * np.diff(kinks), x.shape)
+                samples.append(jnp.asarray(inner, x.dtype))
         assert any(_differ(rule(x, key=K1), rule(x, key=K2)) for x in samples), (
             "value ignores the key"
         )

@@ -38,6 +38,7 @@ def _x(dims: int, batch: int = 3):
     return jax.random.normal(jax.random.key(dims), (batch, 32) + (4,) * dims)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims", [1, 2, 3])
 def test_the_identity_recipe_is_the_plain_model_bit_for_bit(dims):
     """The convolutions (a `QuantizedLinear` computes `x · wᵀ`, which differs in
@@ -56,6 +57,7 @@ def test_the_identity_recipe_is_the_plain_model_bit_for_bit(dims):
     assert np.array_equal(got[1].layers[2].conv.bias, want[1].layers[2].bias)
 
 
+@pytest.mark.slow
 def test_a_conv_layer_is_quantized_conv_on_the_batch():
     """Under `vmap`, a `QuantizedConv`'s products run on the whole batch: the same
     value and weight gradient as `quantized_conv` called on the batch."""
@@ -77,6 +79,7 @@ def test_a_conv_layer_is_quantized_conv_on_the_batch():
     assert np.array_equal(layer(x), jax.vmap(layer)(x))
 
 
+@pytest.mark.slow
 def test_keyed_keys_every_conv_and_a_recipe_that_draws_needs_one():
     q = eqxrules.quantize(_cnn(2), recipe=NVFP4)
     x = _x(2)
@@ -125,6 +128,7 @@ def test_a_recipe_per_layer_by_its_path():
     assert again.layers[4].recipe == recipes.mxfp8()
 
 
+@pytest.mark.slow
 def test_a_ragged_last_batch_trains():
     """3 examples of 4x4: the weight-gradient products contract 3·16 = 48
     positions, which blocks of 32 do not divide (padded with zeros)."""

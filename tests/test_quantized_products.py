@@ -385,7 +385,8 @@ def test_conv_products_equal_the_reference(case, recipe, jit):
     assert failures == dict.fromkeys(kinds, {})
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.first_case_quick
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_the_identity_recipe_is_lax_bit_for_bit(jit):
     run = jax.jit(_vjp, static_argnums=0) if jit else _vjp
     identity = recipes.identity()
@@ -435,6 +436,7 @@ def test_einsum_is_dot_general_transposed():
     assert bool(jnp.all(jnp.abs(ident - want) <= bound))
 
 
+@pytest.mark.slow
 def test_vmap_joins_the_rows():
     """A mapped `lhs` is one more free dimension of `lhs` (dot_general) or joins
     the batch (conv): gradients equal those of one call on the whole batch."""
@@ -465,6 +467,7 @@ def test_vmap_joins_the_rows():
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.slow
 def test_vmap_over_both_operands_is_one_batched_product():
     """Attention's q and k, both per example: the mapped axis is one more batch
     dimension, never blocked across; with block quantisers, each example's
@@ -517,6 +520,7 @@ def planted(monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.slow
 def test_planted_forward_blocking_in_the_input_gradient_is_caught(planted):
     """The input-gradient product's kernel blocked along the input features (as
     the forward's), where the recipe says along the output features."""
@@ -531,6 +535,7 @@ def test_planted_forward_blocking_in_the_input_gradient_is_caught(planted):
     assert set(failures) == {"da"}
 
 
+@pytest.mark.slow
 def test_planted_batch_last_in_the_conv_weight_gradient_is_caught(planted):
     """The weight-gradient blocks with the batch flattened last, across the batch
     dimension numbers' order."""
@@ -547,6 +552,7 @@ def test_planted_batch_last_in_the_conv_weight_gradient_is_caught(planted):
     assert set(failures) == {"db"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fill", [1e3, None], ids=["non-zero", "missing"])
 def test_planted_padding_is_caught(planted, fill):
     """The conv's weight-gradient product over 4·7·7 = 196 positions, in blocks of
@@ -568,6 +574,7 @@ def test_planted_padding_is_caught(planted, fill):
         assert set(_conv_failures(recipes.mxfp8(), "2d", "random", jit=True)) == {"db"}
 
 
+@pytest.mark.slow
 def test_the_planted_fixture_alone_passes(planted):
     """The planted fixture with the honest helpers passes the cases the planted
     defects fail, so the failures are theirs."""
