@@ -496,6 +496,7 @@ class _NextAxis(eqxrules.MXQuantize):
         return dataclasses.replace(self, axis=axis - 1)
 
 
+@pytest.mark.slow
 def test_planted_blocks_along_the_wrong_dimension_are_caught():
     wrong = _NextAxis(format="e4m3", block_size=32)
     product = recipes.Product(wrong, wrong)
