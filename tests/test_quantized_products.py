@@ -364,10 +364,24 @@ def _conv_failures(recipe, name, kind, *, jit, run=None):
     }
 
 
+# Every case jitted; eagerly (op by op, one compiled program per product), the
+# first case of each family, every recipe.
+_DOT_RUNS = [
+    (case, recipe, jit)
+    for jit in (True, False)
+    for case in (DOT_CASES if jit else ["matmul"])
+    for recipe in [r for r in RECIPES if r != "identity"]
+]
+_CONV_RUNS = [
+    (case, recipe, jit)
+    for jit in (True, False)
+    for case in (CONV_CASES if jit else ["2d"])
+    for recipe in [r for r in CONV_RECIPES if r != "identity"]
+]
+
+
 @pytest.mark.first_case_quick
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "identity"])
-@pytest.mark.parametrize("case", list(DOT_CASES))
+@pytest.mark.parametrize("case, recipe, jit", _DOT_RUNS)
 def test_dot_general_products_equal_the_reference(case, recipe, jit):
     kinds = KINDS if jit else ("random",)
     failures = {k: _dot_failures(RECIPES[recipe], case, k, jit=jit) for k in kinds}
@@ -375,9 +389,7 @@ def test_dot_general_products_equal_the_reference(case, recipe, jit):
 
 
 @pytest.mark.first_case_quick
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("recipe", [r for r in CONV_RECIPES if r != "identity"])
-@pytest.mark.parametrize("case", list(CONV_CASES))
+@pytest.mark.parametrize("case, recipe, jit", _CONV_RUNS)
 def test_conv_products_equal_the_reference(case, recipe, jit):
     kinds = KINDS if jit else ("random",)
     r = CONV_RECIPES[recipe]
