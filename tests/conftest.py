@@ -134,6 +134,18 @@ def load_example():
     return _load_example
 
 
+@pytest.fixture
+def fresh_products(monkeypatch):
+    """`monkeypatch`, with the quantised core's products (`core.product`, one
+    cached `jit` per product) traced again in the test, so that a patched helper of
+    the core is traced, and again after it, so that no patched trace outlives it."""
+    from eqxrules._lowp import core
+
+    core.product.cache_clear()
+    yield monkeypatch
+    core.product.cache_clear()
+
+
 # The two tiers. `python -m pytest` (the README's command) runs the quick tier:
 # `addopts` in pyproject.toml deselects `slow`. `python -m pytest -m slow` runs the
 # rest, `-m "slow or not slow"` everything; `.ci/run` runs both

@@ -280,16 +280,9 @@ def test_planted_forward_operand_in_the_backward_is_caught():
 
 
 @pytest.fixture
-def planted(monkeypatch):
-    """`monkeypatch`, with the products' compiled cache replaced by an empty one,
-    so that a patched helper is traced again."""
-
-    # A new function: `jax.jit` caches traces by the function it wraps.
-    def evaluate(*args):
-        return core._evaluate(*args)
-
-    monkeypatch.setattr(core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2)))
-    return monkeypatch
+def planted(fresh_products):
+    """`monkeypatch`, the core's products traced again (`fresh_products`)."""
+    return fresh_products
 
 
 @pytest.mark.slow

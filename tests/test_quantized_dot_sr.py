@@ -88,20 +88,16 @@ def test_gradient_products_are_unbiased():
 
 
 @pytest.fixture
-def one_key(monkeypatch):
-    """Both operands of a product rounded with the same key (the products' compiled
-    cache replaced, so that the patch is traced)."""
+def one_key(fresh_products):
+    """Both operands of a product rounded with the same key (the core's products
+    traced again, `fresh_products`, so that the patch is traced)."""
     honest = core.operand_keys
 
     def shared(key):
         k_lhs, _, k_signs = honest(key)
         return k_lhs, k_lhs, k_signs
 
-    def evaluate(*args):
-        return core._evaluate(*args)
-
-    monkeypatch.setattr(core, "operand_keys", shared)
-    monkeypatch.setattr(core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2)))
+    fresh_products.setattr(core, "operand_keys", shared)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import dataclasses
 import functools as ft
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,22 +293,38 @@ def _out_shape(f, lhs, rhs):
 
 
 def _dot_failures(recipe, name, kind, *, jit, run=None):
+    return _dot_failures_of(recipe, name, (kind,), jit=jit, run=run)[kind]
+
+
+def _dot_failures_of(recipe, name, kinds, *, jit, run=None):
+    """For each data kind, the elements of the value and both cotangents farther
+    from the reference than the bound. Ours and the reference are each traced once
+    per call, for every kind (the same shapes), and again at the next call, so that
+    a planted defect (a patched helper of the core) is traced."""
     lhs_shape, rhs_shape, dn, blocked = DOT_CASES[name]
     if recipe is RECIPES["nvfp4"] and name not in SQUARE:
         recipe = NVFP4_1D
     key = KEY if reads_key(recipe.products()) else None
     plain = ft.partial(jax.lax.dot_general, dimension_numbers=dn)
-    lhs, rhs = _data((lhs_shape, rhs_shape), kind)
-    dy = _data([_out_shape(plain, lhs, rhs)], kind)[0]
-    f = _dot_call(run or recipe, dn, key)
-    got = (jax.jit(_vjp, static_argnums=0) if jit else _vjp)(f, lhs, rhs, dy)
+    f = ft.partial(_vjp, _dot_call(run or recipe, dn, key))
+    ours = jax.jit(f) if jit else f
+    reference = eqx.filter_jit(ft.partial(_dot_reference, recipe))
     square = SQUARE.get(name)
-    y, _, da, db = _dot_reference(recipe, lhs, rhs, dy, dn, blocked, square, key)
-    bounds = _bound(plain, lhs, rhs, dy)
+    out = {}
+    for kind in kinds:
+        lhs, rhs = _data((lhs_shape, rhs_shape), kind)
+        dy = _data([_out_shape(plain, lhs, rhs)], kind)[0]
+        got = ours(lhs, rhs, dy)
+        y, _, da, db = reference(lhs, rhs, dy, dn, blocked, square, key)
+        out[kind] = _failures(got, (y, da, db), _bound(plain, lhs, rhs, dy))
+    return out
+
+
+def _failures(got, expected, bounds):
     names = ("y", "da", "db")
     return {
         n: _far(g, e, b)
-        for n, g, e, b in zip(names, got, (y, da, db), bounds)
+        for n, g, e, b in zip(names, got, expected, bounds)
         if _far(g, e, b)
     }
 
@@ -346,22 +363,27 @@ def _conv(case):
 
 
 def _conv_failures(recipe, name, kind, *, jit, run=None):
+    return _conv_failures_of(recipe, name, (kind,), jit=jit, run=run)[kind]
+
+
+def _conv_failures_of(recipe, name, kinds, *, jit, run=None):
+    """`_dot_failures_of` for a convolution."""
     lhs_shape, rhs_shape, *_, blocked = CONV_CASES[name]
     conv, quantized = _conv(name)
     key = KEY if reads_key(recipe.products()) else None
-    lhs, rhs = _data((lhs_shape, rhs_shape), kind)
-    dy = _data([_out_shape(conv, lhs, rhs)], kind)[0]
-    f = quantized(run or recipe, key)
-    got = (jax.jit(_vjp, static_argnums=0) if jit else _vjp)(f, lhs, rhs, dy)
-    spec = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, CONV_CASES[name][5])
-    square = (spec.rhs_spec[0], spec.rhs_spec[1])
-    expected = _conv_reference(recipe, lhs, rhs, dy, conv, blocked, square, key)
-    bounds = _bound(conv, lhs, rhs, dy)
-    return {
-        n: _far(g, e, b)
-        for n, g, e, b in zip(("y", "da", "db"), got, expected, bounds)
-        if _far(g, e, b)
-    }
+    f = ft.partial(_vjp, quantized(run or recipe, key))
+    ours = jax.jit(f) if jit else f
+    reference = eqx.filter_jit(ft.partial(_conv_reference, recipe, conv=conv))
+    out = {}
+    for kind in kinds:
+        lhs, rhs = _data((lhs_shape, rhs_shape), kind)
+        dy = _data([_out_shape(conv, lhs, rhs)], kind)[0]
+        got = ours(lhs, rhs, dy)
+        spec = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, CONV_CASES[name][5])
+        square = (spec.rhs_spec[0], spec.rhs_spec[1])
+        expected = reference(lhs, rhs, dy, blocked=blocked, square=square, key=key)
+        out[kind] = _failures(got, expected, _bound(conv, lhs, rhs, dy))
+    return out
 
 
 # Every case jitted; eagerly (op by op, one compiled program per product), the
@@ -384,7 +406,7 @@ _CONV_RUNS = [
 @pytest.mark.parametrize("case, recipe, jit", _DOT_RUNS)
 def test_dot_general_products_equal_the_reference(case, recipe, jit):
     kinds = KINDS if jit else ("random",)
-    failures = {k: _dot_failures(RECIPES[recipe], case, k, jit=jit) for k in kinds}
+    failures = _dot_failures_of(RECIPES[recipe], case, kinds, jit=jit)
     assert failures == dict.fromkeys(kinds, {})
 
 
@@ -393,7 +415,7 @@ def test_dot_general_products_equal_the_reference(case, recipe, jit):
 def test_conv_products_equal_the_reference(case, recipe, jit):
     kinds = KINDS if jit else ("random",)
     r = CONV_RECIPES[recipe]
-    failures = {k: _conv_failures(r, case, k, jit=jit) for k in kinds}
+    failures = _conv_failures_of(r, case, kinds, jit=jit)
     assert failures == dict.fromkeys(kinds, {})
 
 
@@ -522,15 +544,9 @@ def test_planted_blocks_along_the_wrong_dimension_are_caught():
 
 
 @pytest.fixture
-def planted(monkeypatch):
-    """`monkeypatch`, with the products' compiled cache replaced by an empty one,
-    so that a patched helper is traced again."""
-
-    def evaluate(*args):
-        return core._evaluate(*args)
-
-    monkeypatch.setattr(core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2)))
-    return monkeypatch
+def planted(fresh_products):
+    """`monkeypatch`, the core's products traced again (`fresh_products`)."""
+    return fresh_products
 
 
 @pytest.mark.slow

@@ -88,15 +88,9 @@ def test_the_weight_gradient_of_a_ragged_batch_is_the_padded_one(name, m):
 
 
 @pytest.fixture
-def planted(monkeypatch):
-    """`monkeypatch`, with the products' compiled cache replaced by an empty one,
-    so that a patched `_pad_batch` is traced."""
-
-    def evaluate(*args):
-        return core._evaluate(*args)
-
-    monkeypatch.setattr(core, "_compiled", jax.jit(evaluate, static_argnums=(0, 1, 2)))
-    return monkeypatch
+def planted(fresh_products):
+    """`monkeypatch`, the core's products traced again (`fresh_products`)."""
+    return fresh_products
 
 
 def _plant_padding(monkeypatch, fill: float, at_front: bool):
