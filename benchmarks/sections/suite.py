@@ -23,21 +23,9 @@ COMMANDS = {
     "pytest": [sys.executable, "-m", "pytest"],
     "slow": [sys.executable, "-m", "pytest", "-m", "slow"],
 }
-
-
-def _ci_slow_flags() -> str:
-    """The XLA flags `.ci/run` gives its slow tier (its `slow_flags=` line)."""
-    found = re.search(
-        r'^slow_flags="([^"]*)"$', (ROOT / ".ci" / "run").read_text(), re.M
-    )
-    if found is None:
-        raise RuntimeError('.ci/run has no `slow_flags="..."` line')
-    return found.group(1)
-
-
 # Added to `XLA_FLAGS` for a command, as `.ci/run` runs it: the slow tier compiles
-# with XLA's CPU emitters of before its fusion emitters, without LLVM's passes.
-FLAGS = {"slow": _ci_slow_flags()}
+# with XLA's CPU emitters of before its fusion emitters.
+FLAGS = {"slow": "--xla_cpu_use_fusion_emitters=false"}
 
 
 def _env(name: str) -> dict[str, str]:
