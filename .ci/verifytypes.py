@@ -15,7 +15,8 @@ out = subprocess.run(
     text=True,
     check=False,
 )
-report = json.loads(out.stdout)["typeCompleteness"]
+result = json.loads(out.stdout)
+report = result["typeCompleteness"]
 score = report["completenessScore"]
 counts = report["exportedSymbolCounts"]
 print(
@@ -23,4 +24,9 @@ print(
     f"({counts['withKnownType']} known, {counts['withAmbiguousType']} ambiguous, "
     f"{counts['withUnknownType']} unknown exported symbols)"
 )
+# Say why when pyright could not read the package (run where eqxrules is not
+# installed: "No py.typed file found", 0 symbols), not only the figure.
+for diagnostic in result.get("generalDiagnostics", []):
+    if diagnostic.get("severity") == "error" and not diagnostic.get("file"):
+        print(f"pyright: {diagnostic['message']}", file=sys.stderr)
 sys.exit(0 if score >= THRESHOLD else 1)
