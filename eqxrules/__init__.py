@@ -28,6 +28,7 @@ from ._lowp.layer import (
     QuantizedConv as QuantizedConv,
     QuantizedLinear as QuantizedLinear,
 )
+from ._lowp.ragged import quantized_ragged_dot as quantized_ragged_dot
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._rules.blocks import BlockQuantizer as BlockQuantizer
 from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
@@ -71,6 +72,7 @@ __all__ = [
     "quantized_dot",
     "quantized_dot_general",
     "quantized_einsum",
+    "quantized_ragged_dot",
     "recipes",
     "testing",
     "verify_rule",

@@ -22,7 +22,7 @@ nothing here names a quantiser."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -30,6 +30,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
+from ._axis_names import check_names
 from ._inputs import check_key
 from ._lowp.layer import (
     LAYERS,
@@ -39,6 +40,7 @@ from ._lowp.layer import (
     check_layer,
 )
 from ._lowp.recipes import Recipe
+from ._rules.blocks import BlockQuantizer
 from ._sign_warning import warn_constant_sign
 from ._tangents import call_with_key
 
@@ -182,16 +184,15 @@ def _along_reduction(layer: Any, quantizer: Any, role: str, name: str) -> Any:
     (a block quantiser), for the layer's weight or input (`role`); an error names
     the layer as `name`."""
     layer = _weighted(layer)
-    fit = getattr(quantizer, "for_reduction_axis", None)
     axes = _reduction_axes(layer)
-    if fit is None or axes is None:
+    if not isinstance(quantizer, BlockQuantizer) or axes is None:
         return quantizer
     axis, length = axes[role]
     where = (
         f"the {role} of {name}, a {type(layer).__name__} with weight shape "
         f"{tuple(layer.weight.shape)}"
     )
-    return fit(axis, length, where)
+    return quantizer.for_reduction_axis(axis, length, where)
 
 
 def _reduction_axes(layer: Any) -> dict[str, tuple[int, int]] | None:
@@ -219,6 +220,7 @@ def quantize(
     input_quantizer: Quantizer | None = None,
     recipe: Recipe | Callable[[str], Recipe | None] | None = None,
     where: Callable[[Any], bool] = _has_weight_layer,
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
 ) -> _M:
     """Quantise every matching layer of `model`, by tree surgery (`eqx.tree_at`):
     with quantisers, each `eqx.nn.Linear` and `eqx.nn.Conv` becomes a
@@ -254,6 +256,15 @@ def quantize(
         its product with [`quantized_dot`][], forward and backward quantised. Wrap
         the model in [`Keyed`][] to give each layer a key at every call, as a
         recipe that draws random numbers needs.
+    - `axis_name`: with `recipe`, the `axis_name` of every layer it builds
+        ([`QuantizedLinear`][], [`QuantizedConv`][]): `None` (each call its own,
+        under `jax.vmap` too, so `vmap(grad(...))` gives per-example gradients),
+        or the name (a tuple of names) of the mapped axes whose examples the
+        products span, as `eqx.nn.BatchNorm` takes it. A model written per example
+        and trained as `jax.vmap(model, axis_name="batch")` with
+        `axis_name="batch"` computes each layer as one call on the whole batch
+        (batch-wide per-tensor scales and weight-gradient blocks), as hardware
+        recipes do.
     - `where`: a predicate choosing the layers, given each plain layer (the
         `eqx.nn.Linear` or `Conv` inside any wrapper a previous call put in, so the
         same predicate selects the same layers every time). Default: every
@@ -308,6 +319,12 @@ def quantize(
             "recipe's products on the same layers, quantise twice: "
             "`quantize(quantize(model, recipe=...), kernel_quantizer=...)`."
         )
+    check_names("quantize", axis_name)
+    if axis_name is not None and recipe is None:
+        raise ValueError(
+            f"`quantize`: `axis_name` (={axis_name!r}) is the named axis a recipe's "
+            "products span: give it with `recipe=`."
+        )
     if recipe is not None and not isinstance(recipe, Recipe) and not callable(recipe):
         raise TypeError(
             f"`quantize`: `recipe` (={recipe!r}) must be an `eqxrules.recipes.Recipe` "
@@ -338,7 +355,7 @@ def quantize(
             chosen = _recipe_of(recipe, path, name)
             if chosen is None:
                 return node
-            return _with_recipe(node, layer, chosen, path, name)
+            return _with_recipe(node, layer, chosen, path, name, axis_name)
         if not _has_weight_layer(layer):
             raise TypeError(
                 f"`quantize`: `where` selected {name}, a {type(layer).__name__}; "
@@ -380,16 +397,23 @@ def _recipe_of(recipe: Any, path: tuple[Any, ...], name: str) -> Recipe | None:
 
 
 def _with_recipe(
-    node: Any, layer: Any, recipe: Recipe, path: tuple[Any, ...], name: str
+    node: Any,
+    layer: Any,
+    recipe: Recipe,
+    path: tuple[Any, ...],
+    name: str,
+    axis_name: Any,
 ) -> Any:
     """`node` (a plain layer, or one `quantize` wrapped before) computing `layer`
     with `recipe`, its quantisers (if any) kept."""
     if isinstance(layer, eqx.nn.Linear):
         check_layer(layer, recipe, "quantize", name)
-        computed: Any = QuantizedLinear(layer, recipe, path=_path(path))
+        computed: Any = QuantizedLinear(
+            layer, recipe, path=_path(path), axis_name=axis_name
+        )
     elif isinstance(layer, eqx.nn.Conv):
         check_conv_layer(layer, recipe, "quantize", name)
-        computed = QuantizedConv(layer, recipe, path=_path(path))
+        computed = QuantizedConv(layer, recipe, path=_path(path), axis_name=axis_name)
     else:
         raise TypeError(
             f"`quantize`: `recipe` computes `eqx.nn.Linear` and `eqx.nn.Conv` "

@@ -1,17 +1,17 @@
 r"""[`quantized_conv`][eqxrules.quantized_conv]: `lax.conv_general_dilated` on the
-quantised core (`core.Bilinear` with a `core.Conv` operation)."""
+quantised core (`core.Bilinear` with an `ops.Conv` operation)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .core import Conv
 from .dot import check_call, length_error, run
+from .ops import Conv
 from .recipes import Custom, Recipe
 
 _NAME = "quantized_conv"
@@ -163,6 +163,7 @@ def quantized_conv(
     feature_group_count: int = 1,
     recipe: Recipe,
     key: PRNGKeyArray | None = None,
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
 ) -> Float[Array, ...]:
     r"""`jax.lax.conv_general_dilated` (1-D, 2-D or 3-D) with each operand of each
     of its three products, forward and backward, quantised as `recipe` says.
@@ -206,11 +207,14 @@ def quantized_conv(
         weight-gradient product) is a `ValueError`; see its message.
     - **With the identity recipe,** the value and both cotangents equal
         `lax.conv_general_dilated`'s bit for bit (tested on the CPU).
-    - **Under `jax.vmap`,** a mapped `lhs` (with `rhs` unmapped) joins the batch
-        dimension, as [`quantized_dot`][eqxrules.quantized_dot]'s rows do: the
-        weight-gradient blocks and per-tensor scales see the whole batch. A mapped
-        `rhs`, or a mapped `key` alone, maps the whole product; a mapped `key`
-        with a mapped `lhs` is a `ValueError`.
+    - **Under `jax.vmap`** it is what `vmap` means, as for
+        [`quantized_dot`][eqxrules.quantized_dot]: each example its own call.
+        With `axis_name` naming that `vmap`, a mapped `lhs` joins the batch
+        dimension, so the per-tensor scales and the weight-gradient blocks see
+        the whole batch, as one call on it would (a mapped `rhs` is then a
+        `ValueError`); under `jax.shard_map` over a mesh axis of that name, the
+        blocks stay within each device's rows and per-tensor scales span the
+        devices.
 
     Quantisation and products are computed in float32; the value has the dtype of
     the plain convolution, each cotangent its primal's. Reverse mode only.
@@ -226,6 +230,8 @@ def quantized_conv(
     - `key`: a PRNG key, required when the recipe rounds stochastically (split in
         three, one per product, and each product's in three, as for
         [`quantized_dot_general`][eqxrules.quantized_dot_general]).
+    - `axis_name`: `None`, or the name (or tuple of names) of mapped axes the
+        products span, as for [`quantized_dot`][eqxrules.quantized_dot].
 
     **Returns:**
 
@@ -242,7 +248,8 @@ def quantized_conv(
         ```
     """
     name = _NAME
-    products, random = check_call(name, recipe, {"lhs": lhs, "rhs": rhs}, key)
+    operands = {"lhs": lhs, "rhs": rhs}
+    products, random = check_call(name, recipe, operands, key, axis_name)
     op = conv_op(
         name,
         lhs,
@@ -255,7 +262,7 @@ def quantized_conv(
         feature_group_count,
     )
     check_conv(name, op, products, jnp.shape(rhs))
-    return run(op, products, lhs, rhs, key, random)
+    return run(op, products, lhs, rhs, key, random, axis_name)
 
 
 __all__ = ["quantized_conv"]

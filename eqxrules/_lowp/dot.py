@@ -8,27 +8,30 @@ operation, whose dimension numbers say what each of the three products contracts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .. import _axis_names
 from .._inputs import check_float_array, check_key
-from .core import DotGeneral, Op, _Bilinear
+from .core import Bilinear
+from .ops import DotGeneral, Op
 from .recipes import Custom, Product, Recipe, block_lengths, reads_key
 
 _NAME = "quantized_dot"
 
 
 def check_call(
-    name: str, recipe: Any, operands: dict[str, Any], key: Any
+    name: str, recipe: Any, operands: dict[str, Any], key: Any, axis_name: Any
 ) -> tuple[Custom, bool]:
     """The checks every quantised product makes of its arguments (a `TypeError` or
     `ValueError` naming `name`): `recipe` a recipe, each operand a floating-point
-    array, `key` a PRNG key if given and given if the recipe draws. Returns the
-    recipe's products and whether they read the key."""
+    array, `key` a PRNG key if given and given if the recipe draws, each name of
+    `axis_name` bound. Returns the recipe's products and whether they read the
+    key."""
     if not isinstance(recipe, Recipe):
         raise TypeError(
             f"`{name}`: `recipe` (={recipe!r}) must be an "
@@ -45,13 +48,31 @@ def check_call(
             f"`{name}`: `recipe` draws random numbers ({', '.join(random)}), so it "
             "needs a PRNG key: pass `key=`."
         )
+    _axis_names.check_bound(name, axis_name)
     return products, bool(random)
 
 
-def run(op: Op, products: Custom, a: Array, b: Array, key: Any, random: bool):
-    """The quantised core on `op`. A key the recipe does not read is dropped, so
-    that it cannot constrain `vmap`."""
-    return _Bilinear(op, products)(a, b, key=key if random else None)
+def run(
+    op: Op,
+    products: Custom,
+    a: Array,
+    b: Array,
+    key: Any,
+    random: bool,
+    axis_name: Any,
+    extras: tuple[Array, ...] = (),
+) -> Array:
+    """The quantised core on `op`, its named axes joined. A key the recipe does
+    not read is dropped, so that it cannot constrain `vmap`."""
+    names = _axis_names.names(axis_name)
+    rule = Bilinear(op, products, names)
+    return rule(
+        a,
+        b,
+        key=key if random else None,
+        extras=extras,
+        tags=_axis_names.tags(axis_name),
+    )
 
 
 def length_error(
@@ -134,6 +155,7 @@ def quantized_dot_general(
     *,
     recipe: Recipe,
     key: PRNGKeyArray | None = None,
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
 ) -> Float[Array, ...]:
     r"""`jax.lax.dot_general(lhs, rhs, dimension_numbers)` with each operand of each
     of its three products, forward and backward, quantised as `recipe` says.
@@ -176,15 +198,12 @@ def quantized_dot_general(
     - **With the identity recipe** ([`recipes.identity`][eqxrules.recipes.identity]),
         the value and both cotangents equal `lax.dot_general`'s bit for bit
         (tested on the CPU).
-    - **Under `jax.vmap`**, a mapped `lhs` (with `rhs` unmapped) becomes one more
-        free dimension of `lhs`: it joins the rows, which the weight-gradient
-        product contracts, so its blocks and per-tensor scales see the whole
-        batch, as one call on the batch would. Both mapped (attention's `q` and
-        `k`, per example), the mapped axis is one more batch dimension of both:
-        one product on the whole batch, no block across it (a per-tensor scale
-        spans it, as it spans the rows). A mapped `rhs` alone, or a mapped `key`
-        alone, maps the whole product (each slice its own scales); a mapped `key`
-        with a mapped `lhs` is a `ValueError`.
+    - **Under `jax.vmap`** it is what `vmap` means: `vmap(f)(xs)[i]` is
+        `f(xs[i])`, each example its own call (its own per-tensor scales and
+        weight-gradient blocks), `jax.vmap(jax.grad(loss))` each example's own
+        gradient, and a key mapped with the examples draws for each as its own
+        call does. For the scales and blocks of one call on the whole batch, name
+        the axis: see `axis_name`.
 
     Quantisation and products are computed in float32 (`preferred_element_type`);
     the value has the dtype of `lhs · rhs`, each cotangent its primal's. Reverse
@@ -199,6 +218,10 @@ def quantized_dot_general(
     - `key`: a PRNG key, required when the recipe rounds stochastically or
         rotates (a `TypeError` otherwise); split in three, one per product, and
         each product's in three (its two operands, its Hadamard signs).
+    - `axis_name`: `None`, or the name (or a tuple of names) of mapped axes the
+        products span, as `eqx.nn.BatchNorm` takes it (see
+        [`quantized_dot`][eqxrules.quantized_dot] for what it means under `vmap`
+        and `shard_map`). An axis name not bound here is a `ValueError`.
 
     **Returns:**
 
@@ -216,9 +239,10 @@ def quantized_dot_general(
         ```
     """
     name = "quantized_dot_general"
-    products, random = check_call(name, recipe, {"lhs": lhs, "rhs": rhs}, key)
+    operands = {"lhs": lhs, "rhs": rhs}
+    products, random = check_call(name, recipe, operands, key, axis_name)
     op = _dot_op(name, lhs, rhs, dimension_numbers)
-    return run(op, products, lhs, rhs, key, random)
+    return run(op, products, lhs, rhs, key, random, axis_name)
 
 
 def _einsum_dims(
@@ -284,6 +308,7 @@ def quantized_einsum(
     *,
     recipe: Recipe,
     key: PRNGKeyArray | None = None,
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
 ) -> Float[Array, ...]:
     r"""`jnp.einsum(subscripts, lhs, rhs)` for two operands, as
     [`quantized_dot_general`][eqxrules.quantized_dot_general] with the dimension
@@ -292,8 +317,8 @@ def quantized_einsum(
     of `lhs`'s subscripts: flattened so, and blocked as one), and the others are
     free. The result is then transposed to the output's order.
 
-    Every product, its blocks, padding, Hadamard transform and `vmap` are
-    `quantized_dot_general`'s. With the identity recipe the value and cotangents
+    Every product, its blocks, padding, Hadamard transform, `vmap` and
+    `axis_name` are `quantized_dot_general`'s. With the identity recipe the value and cotangents
     equal `jnp.einsum`'s within float32 summation bounds (`jnp.einsum` may
     contract in another order), and `quantized_dot_general`'s bit for bit.
 
@@ -304,7 +329,7 @@ def quantized_einsum(
         ellipsis, no repeated label within an operand, and no label in one operand
         only that the output lacks (a `ValueError`).
     - `lhs`, `rhs`: floating-point arrays.
-    - `recipe`, `key`: as for `quantized_dot_general`.
+    - `recipe`, `key`, `axis_name`: as for `quantized_dot_general`.
 
     **Returns:**
 
@@ -326,10 +351,11 @@ def quantized_einsum(
             f"`{name}`: `subscripts` (={subscripts!r}) must be a string, as "
             "`'bij,bjk->bik'`."
         )
-    products, random = check_call(name, recipe, {"lhs": lhs, "rhs": rhs}, key)
+    operands = {"lhs": lhs, "rhs": rhs}
+    products, random = check_call(name, recipe, operands, key, axis_name)
     dims, permutation = _einsum_dims(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
     op = _dot_op(name, lhs, rhs, dims)
-    y = run(op, products, lhs, rhs, key, random)
+    y = run(op, products, lhs, rhs, key, random, axis_name)
     return jnp.transpose(y, permutation)
 
 
@@ -339,6 +365,7 @@ def quantized_dot(
     *,
     recipe: Recipe,
     key: PRNGKeyArray | None = None,
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
 ) -> Float[Array, "*batch N"]:
     r"""`jnp.dot(x, w)` with each operand of each of its three products, forward and
     backward, quantised as `recipe` says: how FP8, MXFP8 and NVFP4 training compute a
@@ -390,6 +417,9 @@ def quantized_dot(
         rotates (a `TypeError` otherwise). It is split in three, one key per
         product, and each product's in three (its two operands, its Hadamard
         signs), so no two draws share one.
+    - `axis_name`: `None`, a name or a tuple of names of mapped axes (a `vmap`'s
+        or a `shard_map`'s) that the products span (below); a name not bound
+        here is a `ValueError`.
 
     **Returns:**
 
@@ -401,18 +431,37 @@ def quantized_dot(
     or the input-gradient product's $N$ (a feature dimension, not padded). Never for
     the batch $M$, which the weight-gradient product pads.
 
-    Under `jax.vmap` over `x`, the mapped axis joins the batch: the result (value
-    and gradients) is that of one call on the whole batch, its weight-gradient
-    blocks and per-tensor scales spanning the examples, as a layer of a model
-    mapped with `vmap` needs. A mapped `w` (an ensemble) or a mapped `key` with an
-    unmapped `x` maps the whole product instead; a mapped `key` with a mapped `x` is
-    a `ValueError` (the batch's products take one key). So `jax.vmap(jax.grad(f))`
-    does not give per-example gradients of `w`: each is the batch's. Under
-    `jax.shard_map`, each device's call sees its own rows (its per-tensor scales
-    and batch blocks are its own), and a replicated `w`'s cotangent is summed over
-    the devices, as `jnp.dot`'s is (a device whose rows its blocks do not divide
-    pads its own). Reverse mode only (`jax.grad`, `jax.vjp`); its
-    derivative is not differentiated again.
+    **`vmap` means `vmap`.** With `axis_name=None` (the default),
+    `jax.vmap(f)(xs)[i]` is `f(xs[i])`: each example is its own call, with its own
+    per-tensor scales, its own weight-gradient blocks (its rows padded to the
+    block) and, with a key mapped beside it, its own draws; so
+    `jax.vmap(jax.grad(loss))` gives per-example gradients (DP-SGD, per-example
+    norms).
+
+    **Batch-wide by name.** A layer of a model written per example and mapped
+    with `vmap` usually wants the scales and blocks of the whole batch, as
+    hardware recipes take them. Ask for it by name, as `eqx.nn.BatchNorm` does:
+    `axis_name="batch"` under `jax.vmap(..., axis_name="batch")` joins that axis
+    to the rows, so the value, and the gradient of every unmapped argument (`w`),
+    are those of one call on the whole batch: per-tensor scales span the
+    examples and the weight-gradient product's blocks run along them. Per-example
+    gradients are then coupled through the shared scales and blocks, as with
+    `BatchNorm`. The key must then be the same for every example (a mapped key
+    is a `ValueError`). A tuple names several axes (`("batch", "tokens")` for a
+    model mapped over examples and, inside, over tokens); an axis mapped without
+    a name keeps `vmap`'s meaning inside a named one.
+
+    Under `jax.shard_map` over a mesh axis of that name (data parallelism), each
+    device computes on its own rows, the weight-gradient product's blocks stay
+    within them (as Transformer Engine's data-parallel weight gradient does) and
+    per-tensor scales span the devices, with one `pmax` of a scalar per tensor. A
+    replicated `w`'s cotangent is summed over the devices, as `jnp.dot`'s is (from
+    JAX 0.7). Where each device's rows are a multiple of the blocks, the value and
+    the summed gradient are those of one unsharded call (stochastic rounding aside,
+    whose draws follow each device's own rows).
+
+    Reverse mode only (`jax.grad`, `jax.vjp`); its derivative is not
+    differentiated again.
 
     !!! Example
 
@@ -423,7 +472,7 @@ def quantized_dot(
         ```
     """
     name = _NAME
-    products, random = check_call(name, recipe, {"x": x, "w": w}, key)
+    products, random = check_call(name, recipe, {"x": x, "w": w}, key, axis_name)
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
     if len(w_shape) != 2:
         raise ValueError(f"`{name}`: `w` (shape {w_shape}) must be a matrix [K, N].")
@@ -441,7 +490,7 @@ def quantized_dot(
             raise ValueError(f"`{name}`: {message}.")
     dims = (((len(x_shape) - 1,), (0,)), ((), ()))
     op = DotGeneral(dims, (len(x_shape), 2), name=name)
-    return run(op, products, x, w, key, random)
+    return run(op, products, x, w, key, random, axis_name)
 
 
 # `w` is [K, N] here: an `eqx.nn.Linear`'s weight ([out, in]) transposed.

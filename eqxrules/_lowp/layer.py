@@ -17,6 +17,7 @@ the recipe needs one, is an error.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import equinox as eqx
@@ -25,11 +26,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
+from .._axis_names import check_names
 from .._inputs import check_key
 from .._tangents import takes_key
 from .conv import check_conv, quantized_conv
-from .core import Conv
 from .dot import OPERANDS, length_error, quantized_dot
+from .ops import Conv
 from .recipes import Recipe, reads_key
 
 
@@ -57,12 +59,23 @@ class QuantizedLinear(eqx.Module):
         reading a model. No call needs it: the batch has no block to fit, the
         weight-gradient product padding a batch its blocks do not divide with zero
         rows (see [`quantized_dot`][eqxrules.quantized_dot]).
+    - `axis_name`: `None` (each call its own, under `vmap` too), or the name (a
+        tuple of names) of the mapped axes whose examples the products span, as
+        `eqx.nn.BatchNorm` takes it: under `jax.vmap(model, axis_name="batch")`,
+        a layer with `axis_name="batch"` computes as one call on the whole batch
+        (per-tensor scales and weight-gradient blocks across the examples, so
+        per-example gradients are coupled, as with `BatchNorm`); under
+        `jax.shard_map` over a mesh axis of that name, per-tensor scales span
+        the devices (see [`quantized_dot`][eqxrules.quantized_dot]).
     """
 
     linear: eqx.nn.Linear
     recipe: Recipe = eqx.field(static=True)
     key: PRNGKeyArray | None = None
     path: str | None = eqx.field(default=None, static=True, kw_only=True)
+    axis_name: Hashable | tuple[Hashable, ...] | None = eqx.field(
+        default=None, static=True, kw_only=True
+    )
 
     def __check_init__(self) -> None:
         if not isinstance(self.linear, eqx.nn.Linear):
@@ -71,6 +84,7 @@ class QuantizedLinear(eqx.Module):
                 "be an `eqx.nn.Linear`."
             )
         check_layer(self.linear, self.recipe, "QuantizedLinear", "`linear`")
+        check_names("QuantizedLinear", self.axis_name)
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         """**Arguments:**
@@ -89,7 +103,9 @@ class QuantizedLinear(eqx.Module):
         linear = self.linear
         if linear.in_features == "scalar":
             x = jnp.reshape(x, (*jnp.shape(x), 1))
-        y = quantized_dot(x, linear.weight.T, recipe=self.recipe, key=key)
+        y = quantized_dot(
+            x, linear.weight.T, recipe=self.recipe, key=key, axis_name=self.axis_name
+        )
         if linear.bias is not None:
             y = y + linear.bias
         return y[..., 0] if linear.out_features == "scalar" else y
@@ -157,7 +173,8 @@ class QuantizedConv(eqx.Module):
     Built by [`quantize`][eqxrules.quantize] with `recipe=`. A recipe that draws
     random numbers needs a key at every call: wrap the model in
     [`Keyed`][eqxrules.Keyed], which gives each layer its own. Under `jax.vmap`
-    over examples, the mapped axis joins the convolution's batch, so the
+    over examples each example is its own call, unless `axis_name` names that
+    `vmap`: then the mapped axis joins the convolution's batch, so the
     weight-gradient product's blocks and per-tensor scales see the whole batch.
 
     **Arguments:**
@@ -172,12 +189,16 @@ class QuantizedConv(eqx.Module):
         leave it `None`).
     - `path`: where the layer is in its model, as `model.layers[1]` (`quantize`
         sets it), for messages and reading a model.
+    - `axis_name`: as for [`QuantizedLinear`][eqxrules.QuantizedLinear].
     """
 
     conv: eqx.nn.Conv
     recipe: Recipe = eqx.field(static=True)
     key: PRNGKeyArray | None = None
     path: str | None = eqx.field(default=None, static=True, kw_only=True)
+    axis_name: Hashable | tuple[Hashable, ...] | None = eqx.field(
+        default=None, static=True, kw_only=True
+    )
 
     def __check_init__(self) -> None:
         if not isinstance(self.conv, eqx.nn.Conv):
@@ -186,6 +207,7 @@ class QuantizedConv(eqx.Module):
                 "`eqx.nn.Conv` (`Conv1d`, `Conv2d`, `Conv3d`)."
             )
         check_conv_layer(self.conv, self.recipe, "QuantizedConv", "`conv`")
+        check_names("QuantizedConv", self.axis_name)
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         """**Arguments:**
@@ -219,6 +241,7 @@ class QuantizedConv(eqx.Module):
             feature_group_count=conv.groups,
             recipe=self.recipe,
             key=key,
+            axis_name=self.axis_name,
         )
         y = y[0] if unbatched else y
         if conv.bias is not None:
@@ -288,9 +311,11 @@ class Keyed(eqx.Module):
     `keyed.model`.)
 
     Under `jax.vmap`, give every example the same key
-    (`jax.vmap(lambda x: keyed(x, key=key))(xs)`): a layer's products then run on
-    the whole batch with that one key, as [`quantized_dot`][eqxrules.quantized_dot]
-    on the batch would. A layer called several times within one call (weights
+    (`jax.vmap(lambda x: keyed(x, key=key), axis_name="batch")(xs)`) where the
+    layers' `axis_name` names that `vmap`: their products then run on the whole
+    batch with that one key, as [`quantized_dot`][eqxrules.quantized_dot] on the
+    batch would. Without `axis_name`, each example is its own call, and a key
+    mapped with the examples gives each its own draws. A layer called several times within one call (weights
     shared across positions, a `lax.scan` over time) gets the same key each time:
     each product is still unbiased, but the draws repeat across those calls; call
     the layer with `key=` yourself if that matters.

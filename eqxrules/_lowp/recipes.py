@@ -13,14 +13,14 @@ import jax.tree_util as jtu
 
 from .._catalogue import Rule
 from .._hyper import Check, at_least, check_fields, hyperparameter, integer, one_of
-from .._rules.blocks import MXQuantize, NVFP4Quantize
+from .._rules.blocks import BlockQuantizer, MXQuantize, NVFP4Quantize
 from .._rules.floats import FloatQuantize, element_format
 
 
 def _is_quantizer(v: Any) -> bool:
     return (
         isinstance(v, Rule)
-        and (v.elementwise or hasattr(v, "for_reduction_axis"))
+        and (v.elementwise or isinstance(v, BlockQuantizer))
         and not jtu.tree_leaves(eqx.filter(v, eqx.is_array))
     )
 
@@ -131,7 +131,7 @@ def block_lengths(product: Product) -> list[tuple[str, int]]:
     out = [
         (side, q.block_size)
         for side, q in (("lhs", product.lhs), ("rhs", product.rhs))
-        if hasattr(q, "for_reduction_axis")
+        if isinstance(q, BlockQuantizer)
     ]
     if product.hadamard is not None:
         out.append(("hadamard", product.hadamard))

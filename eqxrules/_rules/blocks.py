@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._axis_names import axis_names, check_bound
 from .._catalogue import Domain, JVPRule
 from .._hyper import at_least, axis_index, fixed, hyperparameter, integer
 from .._inputs import check_axis, check_float_array
@@ -28,13 +29,14 @@ from ._formats import (
     round_to,
     round_with,
 )
+from ._rounding import Rounded, rounding_mode
 from .floats import (
     _F32,
     _bits,
     _reference_bits,
     element_format,
     pair_of_axes,
-    rounding_mode,
+    span,
 )
 
 
@@ -61,7 +63,7 @@ def _from_blocks(b: Array, axis: int | tuple[int, int], like: Array) -> Array:
     return jnp.moveaxis(b.reshape(*lead, n0, n1), (-2, -1), axis)
 
 
-class BlockQuantizer(JVPRule):
+class BlockQuantizer(Rounded, JVPRule):
     r"""The base of block quantisers ([`MXQuantize`][eqxrules.MXQuantize],
     [`NVFP4Quantize`][eqxrules.NVFP4Quantize], or a user's): the protocol through
     which [`quantize`][eqxrules.quantize], [`Quantized`][eqxrules.Quantized] and the
@@ -101,6 +103,7 @@ class BlockQuantizer(JVPRule):
             )
         for a in axes:
             self.check_length(shape[a], a, f"`x` (shape {shape})")
+        check_bound(self.rule_name(), getattr(self, "axis_name", None))
 
     def check_length(self, length: int, axis: int, where: str) -> None:
         """A `ValueError` naming the rule, the block, `axis` and `where` unless the
@@ -138,10 +141,6 @@ class BlockQuantizer(JVPRule):
     ) -> Array:
         """The straight-through derivative's reference: the identity."""
         return x
-
-    def needs_key(self) -> bool:
-        """`True` with `rounding="stochastic"`: then called with `key=`."""
-        return getattr(self, "rounding") == "stochastic"
 
     def primal(
         self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None
@@ -298,6 +297,11 @@ class NVFP4Quantize(BlockQuantizer):
         rounded stochastically as in [`FloatQuantize`][] (unbiased, 24 random
         bits, `key=` needed at call), as NVIDIA's recipe rounds gradients; the
         scales $t$ and $d$ are those of rounding to nearest.
+    - `axis_name`: `None` (the array's own $A$) or the name (a tuple of names) of
+        mapped axes whose amax $A$ spans, as `eqx.nn.BatchNorm` takes it: under
+        `jax.vmap(..., axis_name=name)` the examples share the batch's tensor
+        scale, under `jax.shard_map` the devices do (`lax.pmax`). An unbound name
+        is a `ValueError`.
 
     !!! Example
 
@@ -310,6 +314,7 @@ class NVFP4Quantize(BlockQuantizer):
     block_size: int = hyperparameter(16, fixed(16, "the NVFP4 format fixes it"))
     axis: int | tuple[int, int] = hyperparameter(-1, pair_of_axes)
     rounding: str = hyperparameter("nearest", rounding_mode)
+    axis_name: Any = hyperparameter(None, axis_names, allow_none=True)
 
     # Room for 16×16 blocks (the examples' `axis=(0, 1)`).
     domain: ClassVar[Domain] = Domain(shape=(16, 16))
@@ -323,7 +328,7 @@ class NVFP4Quantize(BlockQuantizer):
     def _with_bits(self, x: Array, bits: Array | None) -> Array:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
-        t = divide(jnp.max(jnp.abs(w), initial=0.0), 448.0 * 6)
+        t = divide(span(jnp.max(jnp.abs(w), initial=0.0), self.axis_name), 448.0 * 6)
         b = _to_blocks(w, self.axis, self.block_size)
         a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
         s = round_to(e4m3, jnp.clip(divide(divide(a, 6.0), t), 0.0, 448.0))
@@ -341,6 +346,7 @@ class NVFP4Quantize(BlockQuantizer):
         b = _to_blocks(w, self.axis, 16)
         A = jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True)
         A = jnp.max(A, axis=tuple(range(A.ndim - 2)), keepdims=True, initial=0.0)
+        A = span(A, self.axis_name)
         t = divide(A, 2688.0)
         a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
         r = divide(divide(a, 6.0), t)

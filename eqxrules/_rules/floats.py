@@ -14,16 +14,17 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._axis_names import axis_names, check_bound
 from .._catalogue import Domain
 from .._hyper import (
     Check,
     axis_index,
     hyperparameter,
     integer,
-    one_of,
     positive,
     real,
 )
@@ -39,6 +40,7 @@ from ._formats import (
     round_with,
     ties,
 )
+from ._rounding import Rounded, rounding_mode
 
 _string = Check("be a string", lambda v, _: isinstance(v, str), TypeError, (3, None))
 element_format = Check(
@@ -47,7 +49,6 @@ element_format = Check(
     bad=("e4m4", "E4M3"),
     after=(_string,),
 )
-rounding_mode = dataclasses.replace(one_of("nearest", "stochastic"), after=(_string,))
 _real_or_amax = Check(
     'be a real number or "amax"',
     lambda v, m: v == "amax" or real.holds(v, m),
@@ -103,7 +104,21 @@ def _unit(s: Array | float) -> bool:
     return isinstance(s, float) and s == 1
 
 
-class FloatQuantize(_Elementwise):
+_only_amax = Check(
+    'be None unless `scale` is "amax" (only a scale from the tensor\'s amax '
+    "spans named axes)",
+    lambda v, m: v is None or m.scale == "amax",
+    bad=("batch",),
+    after=(axis_names,),
+)
+
+
+def span(amax: Array, axis_name: Any) -> Array:
+    """`amax` over the named axes too (`lax.pmax` of a scalar), if any."""
+    return amax if axis_name is None else jax.lax.pmax(amax, axis_name)
+
+
+class FloatQuantize(Rounded, _Elementwise):
     r"""Rounding to a floating-point element format (FP8, FP6, FP4), scaled, with
     the straight-through estimator inside the format's range.
 
@@ -173,6 +188,11 @@ class FloatQuantize(_Elementwise):
         and $s$ is never zero nor subnormal. The derivative is then $t$ everywhere,
         $s$ held fixed. An infinity or NaN anywhere makes the whole output NaN.
     - `rounding`: `"nearest"` (ties to even) or `"stochastic"` (above).
+    - `axis_name`: with `scale="amax"`, `None` (the array's own amax) or the
+        name (a tuple of names) of mapped axes whose amax the scale spans, as
+        `eqx.nn.BatchNorm` takes it: under `jax.vmap(..., axis_name=name)` the
+        examples share the batch's scale, under `jax.shard_map` the devices do
+        ($A$ is then `lax.pmax` of each one's). An unbound name is a `ValueError`.
 
     At call: `key`, a PRNG key, needed only with `rounding="stochastic"`.
 
@@ -187,6 +207,7 @@ class FloatQuantize(_Elementwise):
     format: str = hyperparameter("e4m3", element_format)
     scale: float | str = hyperparameter(1.0, scale_or_amax)
     rounding: str = hyperparameter("nearest", rounding_mode)
+    axis_name: Any = hyperparameter(None, _only_amax, allow_none=True)
 
     summary: ClassVar[str] = (
         "scale·round_fmt(clip(x/scale, ±max)) to FP8/FP6/FP4 (e4m3, e5m2, e3m2, "
@@ -194,15 +215,15 @@ class FloatQuantize(_Elementwise):
         "derivative `t·[|x/scale| <= max]`"
     )
 
-    def needs_key(self) -> bool:
-        """`True` with `rounding="stochastic"`: then called with `key=`."""
-        return self.rounding == "stochastic"
+    def _check_call(self, args: tuple[Any, ...]) -> None:
+        super()._check_call(args)
+        check_bound(self.rule_name(), self.axis_name)
 
     def _scale(self, w: Array) -> Array | float:
         """$s$ for the float32 `w`: `scale`, or with `"amax"` the array's own."""
         if self.scale != "amax":
             return float(self.scale)
-        a = jnp.max(jnp.abs(w), initial=0.0)
+        a = span(jnp.max(jnp.abs(w), initial=0.0), self.axis_name)
         s = jnp.maximum(divide(a, FORMATS[self.format].max), _SMALLEST_NORMAL)
         return jnp.where(jnp.isinf(a), jnp.nan, s)
 
@@ -261,7 +282,7 @@ class FloatQuantize(_Elementwise):
         fmt = FORMATS[self.format]
         w = x.astype(_F32)
         if self.scale == "amax":
-            a = jnp.abs(w).max(initial=0.0)
+            a = span(jnp.abs(w).max(initial=0.0), self.axis_name)
             r = divide(a, fmt.max)
             s = jnp.where(a == jnp.inf, jnp.nan, jnp.where(r < 2.0**-126, 2.0**-126, r))
         else:

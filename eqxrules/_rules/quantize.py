@@ -29,6 +29,7 @@ from ._formats import (
     stochastic_floor,
 )
 from ._paths import quantize
+from ._rounding import Rounded, rounding_mode
 from ._stochastic import (
     reference_neighbours,
     reference_stochastic_quantize,
@@ -103,12 +104,6 @@ class SteRound(_Elementwise):
         return x
 
 
-_MODE = Check(
-    "be one of ('nearest', 'stochastic')",
-    lambda v, _: v in ("nearest", "stochastic"),
-    bad=("bogus", "Stochastic"),
-    after=(Check("be a string", lambda v, _: isinstance(v, str), TypeError, (3,)),),
-)
 _PROVED = Check(
     lambda m: (
         f"be 'nearest' on this grid (`bits`={m._grid()[0]!r}, `lo`={m._grid()[1]!r}, "
@@ -116,11 +111,11 @@ _PROVED = Check(
         "whose normal range it nears (levels below about 1e-27)"
     ),
     lambda v, m: v == "nearest" or stochastic_ready(*m._grid()),
-    after=(_MODE,),
+    after=(rounding_mode,),
 )
 
 
-class _Grid(_Elementwise):
+class _Grid(Rounded, _Elementwise):
     """What `SteQuantize` and `DoReFa` share: a static grid (`_grid()`), rounded to
     nearest or stochastically (`rounding`), with a masked straight-through
     derivative."""
@@ -133,10 +128,6 @@ class _Grid(_Elementwise):
 
     def kinks(self) -> tuple[float, ...]:
         return _quantizer_kinks(*self._grid())
-
-    def needs_key(self) -> bool:
-        """`True` with `rounding="stochastic"`: then called with `key=`."""
-        return getattr(self, "rounding") == "stochastic"
 
     def primal(
         self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None

@@ -1,0 +1,274 @@
+r"""One product of the quantised core: its two operands quantised as its recipe's
+`Product` says, along what its operation (`ops.Op`) contracts, then the operation.
+Role-agnostic: a gradient product is the forward product of a transposed
+operation (`Op.transpose`), so everything here reads `Op.operands()` alone.
+
+**Blocks.** A block quantiser's blocks run along the dimensions the product
+contracts of its operand (`Operand.blocked`). Several are moved to the front, in
+the order the product pairs them, and flattened row-major into one, blocked as
+one. A length that a block does not divide is padded with zeros at the end (the
+partial block is the last): zeros change no block's scale, quantise to zero and
+add nothing. Where the operation pads its contraction (`Op.padded_contraction`, a
+`dot_general`) the padding stays in the contraction (`Op.flat`), so the result is,
+bit for bit, that of the padded operands; elsewhere it is sliced off after
+quantising. Square blocks (`axis` a pair) cover the blocked dimension and the one
+it pairs with (`Operand.paired`), each padded with zeros to the block.
+
+**Independent tensors.** Each index of `Operand.independent` (a ragged product's
+per-group weights) is a tensor of its own, and so is each segment of rows of
+`Operand.segmented` (a ragged product's groups, laid out each from row 0 and padded
+with zeros at its end): per-tensor scales are theirs, blocks never cross them, and
+slice or segment $i$ draws with `fold_in(key, i)`.
+
+**The random Hadamard transform** (`Product.hadamard`) rotates both operands along
+the flattened, padded contraction (`Op.flat`) with the same signs before
+quantising, leaving the unquantised product unchanged.
+
+**Named axes.** A quantiser whose scale spans a tensor (one with an `axis_name`
+field: `FloatQuantize(scale="amax")`, `NVFP4Quantize`) is given the names still
+bound as collectives (`jax.shard_map`'s), so its scale spans them with one `pmax`
+of a scalar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from .._rules.blocks import BlockQuantizer
+from . import ops
+from .hadamard import random_signs, rotate
+from .ops import Op, Operand, flatten, segment, unflatten
+from .recipes import Product
+
+
+def operand_keys(key: PRNGKeyArray) -> tuple[Array, Array, Array]:
+    """A product's keys: its left operand's, its right operand's (independent, so
+    that the expectation of a product of two stochastically rounded operands is
+    the product of their expectations), and its Hadamard signs'."""
+    k = jax.random.split(key, 3)
+    return k[0], k[1], k[2]
+
+
+def product_keys(key: PRNGKeyArray | None) -> tuple[Any, Any, Any]:
+    """One key per product (forward, then the two gradient products)."""
+    if key is None:
+        return None, None, None
+    k = jax.random.split(key, 3)
+    return k[0], k[1], k[2]
+
+
+def block_of(q: Any) -> int:
+    """The block length `q` needs a blocked length to be a multiple of."""
+    return q.block_size if isinstance(q, BlockQuantizer) else 1
+
+
+def multiple_of(spec: Product) -> int:
+    """The least common multiple of the block lengths of `spec`: its quantisers'
+    and its Hadamard transform's (1 if none)."""
+    return math.lcm(spec.hadamard or 1, block_of(spec.lhs), block_of(spec.rhs))
+
+
+def pad(v: Array, multiple: int) -> Array:
+    """`v` with zeros appended along axis 0 to a multiple of `multiple`."""
+    return ops.pad_axis(v, 0, multiple)
+
+
+def spanning(q: Any, names: tuple[Hashable, ...]) -> Any:
+    """`q` with its tensor-wide scale spanning the named axes, if it has one (an
+    `axis_name` field) and any are named."""
+    if not names or "axis_name" not in {f.name for f in dataclasses.fields(q)}:
+        return q
+    return dataclasses.replace(q, axis_name=names if len(names) > 1 else names[0])
+
+
+def evaluate(
+    op: Op,
+    spec: Product,
+    lhs: Array,
+    rhs: Array,
+    extras: tuple[Array, ...],
+    key: Any,
+    names: tuple[Hashable, ...],
+    role: str,
+) -> Array:
+    """The product `op(Q_lhs(lhs), Q_rhs(rhs), *extras)` with the quantisers and
+    Hadamard transform of `spec` (the module docstring); `role` names it in
+    errors."""
+    keys: tuple[Any, Any, Any] = (None, None, None)
+    if key is not None:
+        keys = operand_keys(key)
+    geometry = op.operands()
+    multiple = multiple_of(spec)
+    blocked_length = math.prod(lhs.shape[d] for d in geometry[0].blocked)
+    if spec.hadamard is not None or (
+        op.padded_contraction() and blocked_length % multiple
+    ):
+        flat = op.flat(multiple)
+        if flat is None:
+            raise ValueError(
+                f"`{op.name}`: the {role} product cannot take a random Hadamard "
+                f"transform (`hadamard`={spec.hadamard}): it is not a contraction "
+                "of its operands, which the transform needs; give that product "
+                "`hadamard=None` (e.g. `dataclasses.replace(recipes.nvfp4(), "
+                "hadamard=None)`)."
+            )
+        _no_square(op, spec, role)
+        lhs, rhs = flat.prepare[0](lhs, extras), flat.prepare[1](rhs, extras)
+        op = flat.op
+        geometry = op.operands()
+        if spec.hadamard is not None:
+            signs = random_signs(keys[2], spec.hadamard)
+            lhs = rotate(lhs, geometry[0].blocked[0], signs)
+            rhs = rotate(rhs, geometry[1].blocked[0], signs)
+    where = Where(op.name, role)
+    q_lhs = quantise(spec.lhs, lhs, geometry[0], keys[0], extras, names, where)
+    q_rhs = quantise(spec.rhs, rhs, geometry[1], keys[1], extras, names, where)
+    return op(q_lhs, q_rhs, *extras)
+
+
+class Where(NamedTuple):
+    """The function and the product an operand is quantised for (messages)."""
+
+    name: str
+    role: str
+
+    def of(self, v: Array) -> str:
+        return (
+            f"an operand of shape {tuple(v.shape)} of the {self.role} product of "
+            f"`{self.name}`"
+        )
+
+
+def _no_square(op: Op, spec: Product, role: str) -> None:
+    for q in (spec.lhs, spec.rhs):
+        if isinstance(q, BlockQuantizer) and isinstance(q.axis, tuple):
+            raise ValueError(
+                f"`{op.name}`: the {role} product's quantiser {q!r} has square "
+                "blocks, which cannot follow the flattening of what the product "
+                "contracts (for its random Hadamard transform, or a length its "
+                "blocks do not divide): give it blocks along one axis, or the "
+                "product `hadamard=None`."
+            )
+
+
+def quantise(
+    q: Any,
+    v: Array,
+    operand: Operand,
+    key: Any,
+    extras: tuple[Array, ...],
+    names: tuple[Hashable, ...],
+    where: Where,
+) -> Array:
+    """`v` quantised by `q` as one operand (`operand`) of a product."""
+    if q is None:
+        return v
+    q = spanning(q, names)
+    if operand.independent:
+        return _slices(q, v, operand, key, where)
+    if operand.segmented is not None:
+        return _segments(q, v, operand, key, extras[0], where)
+    return along(q, v, operand, key, where)
+
+
+def along(q: Any, v: Array, operand: Operand, key: Any, where: Where) -> Array:
+    """`v` quantised by `q`, a block quantiser's blocks along `operand.blocked`
+    (flattened, padded with zeros at the end to a multiple of the block, the
+    padding sliced off), or square over the blocked and paired dimensions (each
+    padded). An elementwise `q` (per element, or one scale per tensor) takes `v`
+    whole."""
+    described = where.of(v)
+    if not isinstance(q, BlockQuantizer):
+        return q(v, key=key)
+    if isinstance(q.axis, tuple):
+        return _square(q, v, operand, key, where)
+    dims = operand.blocked
+    if len(dims) == 1 and v.shape[dims[0]] % q.block_size == 0:
+        return q.for_reduction_axis(dims[0], v.shape[dims[0]], described)(v, key=key)
+    flat = flatten(v, dims)
+    n = flat.shape[0]
+    padded = pad(flat, q.block_size)
+    fitted = q.for_reduction_axis(0, padded.shape[0], described)
+    return unflatten(fitted(padded, key=key)[:n], dims, v.shape)
+
+
+def _square(q: BlockQuantizer, v: Array, operand: Operand, key: Any, where: Where):
+    """Square blocks over the operand's blocked dimension and the one it pairs
+    with, both padded with zeros to the block and the padding sliced off."""
+    if len(operand.blocked) != 1 or len(operand.paired) != 1:
+        raise ValueError(
+            f"`{where.name}`: the quantiser {q!r} has square blocks, which need "
+            "an operand with one contracted and one free dimension beside its "
+            f"batch dimensions (a matrix); {where.of(v)} contracts "
+            f"{operand.blocked} and keeps {operand.paired}. Give it blocks along "
+            "one axis."
+        )
+    axes = tuple(sorted((operand.blocked[0], operand.paired[0])))
+    padded = ops.pad_axis(v, axes[0], q.block_size)
+    padded = ops.pad_axis(padded, axes[1], q.block_size)
+    fitted = q if q.axis == axes else dataclasses.replace(q, axis=axes)
+    out = fitted(padded, key=key)
+    return jax.lax.slice(out, (0,) * v.ndim, v.shape)
+
+
+def _without(operand: Operand, dim: int) -> Operand:
+    """`operand`'s geometry on a slice of it along `dim` (that dimension gone)."""
+
+    def drop(dims: Sequence[int]) -> tuple[int, ...]:
+        return tuple(d - (d > dim) for d in dims if d != dim)
+
+    return Operand(
+        drop(operand.blocked), drop(operand.paired), drop(operand.independent)
+    )
+
+
+def _keys(key: Any, n: int) -> Any:
+    """`fold_in(key, i)` for `i` in `range(n)` (or `None`)."""
+    if key is None:
+        return None
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
+
+
+def _slices(q: Any, v: Array, operand: Operand, key: Any, where: Where) -> Array:
+    """Each index of the first independent dimension its own tensor."""
+    dim = operand.independent[0]
+    inner = _without(operand, dim)
+    keys = _keys(key, v.shape[dim])
+
+    def one(slice_: Array, k: Any) -> Array:
+        return quantise(q, slice_, inner, k, (), (), where)
+
+    return jax.vmap(one, in_axes=(dim, 0 if keys is not None else None), out_axes=dim)(
+        v, keys
+    )
+
+
+def _segments(
+    q: Any, v: Array, operand: Operand, key: Any, sizes: Array, where: Where
+) -> Array:
+    """Each segment of rows along `operand.segmented` (consecutive, of lengths
+    `sizes`) its own tensor: laid out from row 0 and padded with zeros to a
+    multiple of the block (where the blocks run along the rows), quantised, and
+    put back in place. Rows past the segments come back zero."""
+    dim = operand.segmented
+    assert dim is not None
+    along_rows = dim in operand.blocked
+    per, back = segment(v, dim, sizes, block_of(q) if along_rows else 1)
+    inner = Operand(
+        tuple(0 if d == dim else d + (d < dim) for d in operand.blocked),
+        tuple(d + (d < dim) for d in operand.paired),
+    )
+    keys = _keys(key, sizes.shape[0])
+
+    def one(rows: Array, k: Any) -> Array:
+        return along(q, rows, inner, k, where)
+
+    quantised = jax.vmap(one, in_axes=(0, 0 if keys is not None else None))(per, keys)
+    return back(quantised)
