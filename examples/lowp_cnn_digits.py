@@ -24,7 +24,8 @@ Hadamard transform on its weight-gradient product). The printed table names each
 layer's recipe.
 
 Every row starts from the same initialisation and sees the same batches, per seed
-(three seeds); the batch is mapped with `jax.vmap`, so each quantised layer's
+(three seeds); the batch is mapped with `jax.vmap(..., axis_name="batch")` and
+the layers are quantised with `axis_name="batch"`, so each quantised layer's
 products run on the whole batch (one scale per tensor or per block over the batch),
 and the model is wrapped in `eqxrules.Keyed`, which gives each quantised layer a
 fresh key at every step (NVFP4's stochastic rounding draws from it). The split is
@@ -150,7 +151,8 @@ def build(row: Row, seed: int) -> eqxrules.Keyed:
     quantised layer its own key at every call; the float32 model has none)."""
     model = CNN(key=jax.random.key(seed))
     if row.per_layer is not None:
-        model = eqxrules.quantize(model, recipe=row.recipe)
+        # Each layer's products span the batch that `loss_fn` maps (its name).
+        model = eqxrules.quantize(model, recipe=row.recipe, axis_name="batch")
     return eqxrules.Keyed(model)
 
 
@@ -167,9 +169,9 @@ def weights(tree: Any) -> list[Array]:
 
 
 def loss_fn(model: eqxrules.Keyed, x: Array, y: Array, key: PRNGKeyArray) -> Array:
-    """Mean cross-entropy over the batch. One key for the whole batch: each layer's
-    products run on the batch, as one product."""
-    logits = jax.vmap(lambda image: model(image, key=key))(x)
+    """Mean cross-entropy over the batch. The layers' `axis_name` names this `vmap`,
+    so each layer's products run on the batch, as one product, with one key."""
+    logits = jax.vmap(lambda image: model(image, key=key), axis_name="batch")(x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -186,7 +188,7 @@ def step(model, state, x, y, key, optim):
 
 @eqx.filter_jit
 def accuracy(model: eqxrules.Keyed, x: Array, y: Array, key: PRNGKeyArray) -> Array:
-    logits = jax.vmap(lambda image: model(image, key=key))(x)
+    logits = jax.vmap(lambda image: model(image, key=key), axis_name="batch")(x)
     return jnp.mean(jnp.argmax(logits, axis=-1) == y)
 
 

@@ -207,6 +207,18 @@ def windows(data: np.ndarray, starts: np.ndarray, length: int) -> Array:
 # The model.
 
 
+# The model is written per window and per token, mapped with `jax.vmap`: the
+# windows of a batch (`loss_fn`) and each window's tokens (`per_token`). Both axes
+# are named, and the quantised layers' products span both (`axis_name`), so each
+# runs on the whole batch's tokens, as one matrix product.
+BATCH, TOKENS = "batch", "tokens"
+
+
+def per_token(layer: Any) -> Any:
+    """`layer` mapped over a window's tokens."""
+    return jax.vmap(layer, axis_name=TOKENS)
+
+
 class Attention(eqx.Module):
     """Causal multi-head self-attention: one `Linear` gives the queries, keys and
     values (GPT-2's fused projection), another the output."""
@@ -230,18 +242,22 @@ class Attention(eqx.Module):
         self.products = products
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        heads = jax.vmap(self.qkv)(x).reshape(x.shape[0], 3, self.heads, -1)
+        heads = per_token(self.qkv)(x).reshape(x.shape[0], 3, self.heads, -1)
         q, k, v = heads[:, 0], heads[:, 1], heads[:, 2]
         if self.products is None:
             attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         else:  # q·kᵀ and p·v with `products`: each of their three products
             r = self.products
-            scores = eqxrules.quantized_einsum("qhd,khd->hqk", q, k, recipe=r)
+            scores = eqxrules.quantized_einsum(
+                "qhd,khd->hqk", q, k, recipe=r, axis_name=BATCH
+            )
             causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
             scores = jnp.where(causal, scores / math.sqrt(q.shape[-1]), -jnp.inf)
             p = jax.nn.softmax(scores, axis=-1)
-            attended = eqxrules.quantized_einsum("hqk,khd->qhd", p, v, recipe=r)
-        return jax.vmap(self.out)(attended.reshape(x.shape))
+            attended = eqxrules.quantized_einsum(
+                "hqk,khd->qhd", p, v, recipe=r, axis_name=BATCH
+            )
+        return per_token(self.out)(attended.reshape(x.shape))
 
 
 class Block(eqx.Module):
@@ -266,7 +282,7 @@ class Block(eqx.Module):
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         x = x + self.attention(jax.vmap(self.attention_norm)(x))
         h = jax.vmap(self.mlp_norm)(x)
-        return x + jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
+        return x + per_token(self.mlp_out)(jax.nn.gelu(per_token(self.mlp_in)(h)))
 
 
 class CharTransformer(eqx.Module):
@@ -305,7 +321,8 @@ def build(row: Row, s: Settings, seed: int) -> eqxrules.Keyed:
     `QuantizedLinear` its own key at every call; the float32 model has none)."""
     model = CharTransformer(s, row.attention, key=jax.random.key(seed))
     if row.recipe is not None:
-        model = eqxrules.quantize(model, recipe=layer_recipes(row, s))
+        recipe = layer_recipes(row, s)
+        model = eqxrules.quantize(model, recipe=recipe, axis_name=(BATCH, TOKENS))
     return eqxrules.Keyed(model)
 
 
@@ -330,7 +347,7 @@ def layers(tree: Any, kind: type) -> list[Any]:
 def loss_fn(model: eqxrules.Keyed, batch: Array, key: PRNGKeyArray) -> Array:
     """Mean next-byte cross-entropy over `batch` `[B, T + 1]`, in nats. One key for
     the whole batch: a layer's products run on the batch, as one matrix product."""
-    logits = jax.vmap(lambda t: model(t, key=key))(batch[:, :-1])
+    logits = jax.vmap(lambda t: model(t, key=key), axis_name=BATCH)(batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 

@@ -44,12 +44,12 @@ def test_the_identity_recipe_is_the_plain_model_bit_for_bit(dims):
     """The convolutions (a `QuantizedLinear` computes `x · wᵀ`, which differs in
     rounding from `eqx.nn.Linear`'s `w · x`)."""
     cnn = eqx.nn.Sequential(list(_cnn(dims).layers[:3]))
-    q = eqxrules.quantize(cnn, recipe=recipes.identity())
+    q = eqxrules.quantize(cnn, recipe=recipes.identity(), axis_name="batch")
     assert [type(layer) for layer in q.layers[::2]] == [eqxrules.QuantizedConv] * 2
     x = _x(dims)
 
     def loss(model):
-        return jnp.sum(jax.vmap(model)(x) ** 2)
+        return jnp.sum(jax.vmap(model, axis_name="batch")(x) ** 2)
 
     got, want = eqx.filter_value_and_grad(loss)(q), eqx.filter_value_and_grad(loss)(cnn)
     assert np.array_equal(got[0], want[0])
@@ -59,14 +59,16 @@ def test_the_identity_recipe_is_the_plain_model_bit_for_bit(dims):
 
 @pytest.mark.slow
 def test_a_conv_layer_is_quantized_conv_on_the_batch():
-    """Under `vmap`, a `QuantizedConv`'s products run on the whole batch: the same
-    value and weight gradient as `quantized_conv` called on the batch."""
+    """Under a `vmap` its `axis_name` names, a `QuantizedConv`'s products run on the
+    whole batch: the same value and weight gradient as `quantized_conv` called on
+    the batch."""
     conv = _cnn(2).layers[0]
-    layer = eqxrules.QuantizedConv(conv, recipes.mxfp8())
+    layer = eqxrules.QuantizedConv(conv, recipes.mxfp8(), axis_name="batch")
     x = _x(2, 5)
 
     def mapped(w):
-        return jnp.sum(jax.vmap(eqx.tree_at(lambda c: c.conv.weight, layer, w))(x))
+        model = eqx.tree_at(lambda c: c.conv.weight, layer, w)
+        return jnp.sum(jax.vmap(model, axis_name="batch")(x))
 
     def batch(w):
         y = eqxrules.quantized_conv(
@@ -75,8 +77,9 @@ def test_a_conv_layer_is_quantized_conv_on_the_batch():
         return jnp.sum(y + conv.bias)
 
     assert np.array_equal(jax.grad(mapped)(conv.weight), jax.grad(batch)(conv.weight))
-    # A batch given to the layer itself: the same.
-    assert np.array_equal(layer(x), jax.vmap(layer)(x))
+    # A batch given to the layer itself (no `axis_name`): the same.
+    plain = eqxrules.QuantizedConv(conv, recipes.mxfp8())
+    assert np.array_equal(plain(x), jax.vmap(layer, axis_name="batch")(x))
 
 
 @pytest.mark.slow

@@ -229,8 +229,9 @@ def test_a_model_with_nothing_to_quantise_says_what_it_lacks():
 
 
 def test_a_ragged_batch_is_padded_and_a_feature_dimension_still_raises():
-    """A batch of 10 (no block of 32 divides it) differentiates, vmapped or not,
-    as the batch padded with zero rows to 32 does (main raised a `ValueError`
+    """A batch of 10 (no block of 32 divides it) differentiates, as one call on
+    the batch or vmapped with the layers' `axis_name` naming the `vmap`, as the
+    batch padded with zero rows to 32 does (main raised a `ValueError`
     here); a layer whose features the blocks do not divide is still an error
     naming the layer, when quantised. Without biases (tanh(0) = 0), the padded
     rows stay zero through the model, so the padded batch is every layer's
@@ -239,14 +240,15 @@ def test_a_ragged_batch_is_padded_and_a_feature_dimension_still_raises():
         64, 32, 64, 2, jnp.tanh, use_bias=False, use_final_bias=False, key=KEY
     )
     q = eqxrules.quantize(mlp, recipe=recipes.mxfp8())
+    named = eqxrules.quantize(mlp, recipe=recipes.mxfp8(), axis_name="batch")
     xs = jax.random.normal(jax.random.key(6), (10, 64))
     padded = jnp.concatenate([xs, jnp.zeros((22, 64))])
-    want = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(padded)[:10]))(q)
-    for loss in (
-        lambda m: jnp.sum(m(xs)),
-        lambda m: jnp.sum(jax.vmap(m)(xs)),
+    want = eqx.filter_grad(lambda m: jnp.sum(m(padded)[:10]))(q)
+    for model, loss in (
+        (q, lambda m: jnp.sum(m(xs))),
+        (named, lambda m: jnp.sum(jax.vmap(m, axis_name="batch")(xs))),
     ):
-        got = eqx.filter_grad(loss)(q)
+        got = eqx.filter_grad(loss)(model)
         for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert np.array_equal(g, r)
     wide = eqx.nn.MLP(64, 32, 40, 1, key=KEY)  # 40 hidden features: no block of 32

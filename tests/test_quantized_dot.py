@@ -26,7 +26,7 @@ from lowp_helpers import U32, data, gamma, mismatches, reference, vjp
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._lowp import core
+from eqxrules._lowp import quantise
 from eqxrules._lowp.recipes import reads_key as _reads_key
 
 SHAPES = {"x": (2, 32, 64), "w": (64, 32), "dy": (2, 32, 32)}  # M=64, K=64, N=32
@@ -105,13 +105,15 @@ def test_identity_recipe_is_jnp_dot_bit_for_bit():
             for a, b in zip(got, (y, *pull(dy))):
                 assert a.dtype == b.dtype and np.array_equal(a, b)
     x, w, dy = _data("random")
-    # Under `vmap`, example by example, as a layer sees it.
+    # Under `vmap`, example by example, as a layer sees it, with `axis_name`
+    # naming the `vmap`: one product on the batch, as `jnp.dot` under `vmap` is.
     xs = x.reshape(64, 64)
 
     def loss(f, w):
-        return jnp.sum(jax.vmap(lambda xi: f(xi, w))(xs) * dy.reshape(64, 32))
+        mapped = jax.vmap(lambda xi: f(xi, w), axis_name="batch")(xs)
+        return jnp.sum(mapped * dy.reshape(64, 32))
 
-    ident = ft_dot(recipes.identity())
+    ident = ft_dot(recipes.identity(), axis_name="batch")
     for a, b in zip(jax.grad(loss, 1)(ident, w), jax.grad(loss, 1)(jnp.dot, w)):
         assert np.array_equal(a, b)
 
@@ -121,8 +123,10 @@ def _vjp(f, x, w, dy):
     return y, pull(dy)
 
 
-def ft_dot(recipe, key=None):
-    return lambda x, w: eqxrules.quantized_dot(x, w, recipe=recipe, key=key)
+def ft_dot(recipe, key=None, axis_name=None):
+    return lambda x, w: eqxrules.quantized_dot(
+        x, w, recipe=recipe, key=key, axis_name=axis_name
+    )
 
 
 def test_cotangents_have_their_primals_dtypes():
@@ -135,16 +139,17 @@ def test_cotangents_have_their_primals_dtypes():
 @pytest.mark.slow
 @pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
-def test_vmap_over_examples_is_one_call_on_the_batch(name):
-    """Value and gradients, bit for bit: `vmap` over examples, nested `vmap` over
-    batch and positions, each under `jit`, `jax.checkpoint` and within a
+def test_a_named_vmap_over_examples_is_one_call_on_the_batch(name):
+    """Value and gradients, bit for bit: nested `vmap` over batch and positions,
+    both named in `axis_name`, under `jit`, `jax.checkpoint` and within a
     `lax.scan`, against one call on the whole batch."""
     recipe = {**NEAREST, "nvfp4": recipes.nvfp4()}[name]
     x, w, dy = _data("random")
-    f = ft_dot(recipe, KEY)
+    f = ft_dot(recipe, KEY, axis_name=("batch", "position"))
 
     def by_example(x, w):
-        return jax.vmap(jax.vmap(lambda xi: f(xi, w)))(x)
+        inner = jax.vmap(lambda xi: f(xi, w), axis_name="position")
+        return jax.vmap(inner, axis_name="batch")(x)
 
     # Compared in the same mode: XLA may sum a fused product in another order.
     for g, jit in (
@@ -161,7 +166,8 @@ def test_vmap_over_examples_is_one_call_on_the_batch(name):
     def scanned(x, w):
         # Each step of the scan is a whole batch: two batches, one call each.
         def step(c, xb):
-            return c, jax.vmap(lambda xi: f(xi, w))(xb)
+            one = ft_dot(recipe, KEY, axis_name="batch")
+            return c, jax.vmap(lambda xi: one(xi, w), axis_name="batch")(xb)
 
         return jax.lax.scan(step, 0.0, x)[1]
 
@@ -190,12 +196,16 @@ def test_vmap_over_weights_maps_the_products():
 
 
 @pytest.mark.slow
-def test_a_mapped_key_with_mapped_examples_is_an_error():
+def test_a_mapped_key_under_a_named_vmap_is_an_error():
+    """The whole batch's products take one key."""
     recipe = NEAREST["nvfp4_1d_nearest_rht"]
     x, w, _ = _data("random")
     keys = jax.random.split(KEY, 64)
-    with pytest.raises(ValueError, match=r"`quantized_dot`: under `jax.vmap`, `key`"):
-        jax.vmap(lambda xi, k: ft_dot(recipe, k)(xi, w))(x.reshape(64, 64), keys)
+    with pytest.raises(ValueError, match=r"`quantized_dot`: under `jax.vmap` with"):
+        jax.vmap(
+            lambda xi, k: ft_dot(recipe, k, axis_name="batch")(xi, w),
+            axis_name="batch",
+        )(x.reshape(64, 64), keys)
 
 
 def _rht_bound(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
@@ -293,8 +303,8 @@ def test_planted_rotation_of_one_operand_is_caught(planted):
         calls.append(axis)
         return dot_rotate(a, axis, signs) if len(calls) % 2 else a
 
-    dot_rotate = core.rotate
-    planted.setattr(core, "rotate", lhs_only)
+    dot_rotate = quantise.rotate
+    planted.setattr(quantise, "rotate", lhs_only)
     assert set(_rht_failures()) == {"y", "dx", "dw"}
     recipe = NEAREST["nvfp4_1d_nearest_rht"]
     assert set(_failures(recipe, *_data("random"), jit=False)) == {"dw"}

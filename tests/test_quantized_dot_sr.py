@@ -23,7 +23,7 @@ from lowp_helpers import product_bounds
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._lowp import core
+from eqxrules._lowp import quantise
 from eqxrules.testing import UnbiasedCheckError, check_unbiased
 
 M, K, N = 32, 16, 16  # K = N: one key for both operands of dw gives equal bits
@@ -91,13 +91,13 @@ def test_gradient_products_are_unbiased():
 def one_key(fresh_products):
     """Both operands of a product rounded with the same key (the core's products
     traced again, `fresh_products`, so that the patch is traced)."""
-    honest = core.operand_keys
+    honest = quantise.operand_keys
 
     def shared(key):
         k_lhs, _, k_signs = honest(key)
         return k_lhs, k_lhs, k_signs
 
-    fresh_products.setattr(core, "operand_keys", shared)
+    fresh_products.setattr(quantise, "operand_keys", shared)
 
 
 @pytest.mark.slow

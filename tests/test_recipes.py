@@ -183,23 +183,28 @@ def _grads(f, model):
 
 
 def test_quantize_with_a_recipe_is_quantized_dot_on_the_batch():
+    """With `axis_name` naming the `vmap` over the batch, each layer computes as
+    `quantized_dot` on the whole batch."""
     recipe = recipes.mxfp8()
-    q = eqxrules.quantize(_mlp(), recipe=recipe)
+    q = eqxrules.quantize(_mlp(), recipe=recipe, axis_name="batch")
     assert all(isinstance(layer, eqxrules.QuantizedLinear) for layer in q.layers)
-    assert np.array_equal(jax.vmap(q)(_xs()), _manual(_mlp(), _xs(), recipe))
-    got = _grads(lambda m: jax.vmap(m)(_xs()), q)
+    by_batch = jax.vmap(q, axis_name="batch")(_xs())
+    assert np.array_equal(by_batch, _manual(_mlp(), _xs(), recipe))
+    got = _grads(lambda m: jax.vmap(m, axis_name="batch")(_xs()), q)
     expected = _grads(lambda m: _manual(m, _xs(), recipe), _mlp())
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     # Quantising again leaves the layers as they are.
-    assert eqxrules.quantize(q, recipe=recipe) == q
+    assert eqxrules.quantize(q, recipe=recipe, axis_name="batch") == q
 
 
 @pytest.mark.slow
 def test_keyed_gives_each_layer_its_own_key_at_every_call():
-    q = eqxrules.Keyed(eqxrules.quantize(_mlp(), recipe=KEYED))
+    q = eqxrules.Keyed(eqxrules.quantize(_mlp(), recipe=KEYED, axis_name="batch"))
     keys = jax.random.split(KEY, len(_mlp().layers) + 1)
     expected = _grads(lambda m: _manual(m, _xs(), KEYED, keys), _mlp())
-    got = _grads(lambda m: jax.vmap(ft.partial(m, key=KEY))(_xs()), q)
+    got = _grads(
+        lambda m: jax.vmap(ft.partial(m, key=KEY), axis_name="batch")(_xs()), q
+    )
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     # Keys differ across layers and calls (a planted one-key-for-all differs).
     same = _grads(lambda m: _manual(m, _xs(), KEYED, [keys[0]] * 3), _mlp())

@@ -7,7 +7,8 @@ a jitted `value_and_grad` with respect to `x` and `w` of `vdot(f(x, w), dy)`,
 where `f` is
 
 - `quantized_conv(x, w, (1, 1), "SAME")` on the whole batch (NCHW, OIHW), and
-  under `jax.vmap` over the examples (as an `eqx.nn.Conv2d` sees them);
+  under `jax.vmap` over the examples (as an `eqx.nn.Conv2d` sees them), its
+  `axis_name` naming that `vmap` (so one call on the batch);
 - `hand_written(recipe)`: one `jax.custom_vjp` written as a careful user would for
   the same recipe: the forward product's operands quantised by the recipe's public
   quantisers along the input channels (axis 1 of `x` and `w`), the input
@@ -114,7 +115,12 @@ def losses(recipe: recipes.Recipe) -> dict[str, Callable[..., jax.Array]]:
         return eqxrules.quantized_conv(x, w, (1, 1), "SAME", recipe=recipe, key=key)
 
     def vmapped(x, w, key):
-        return jax.vmap(lambda xi: ours(xi[None], w, key)[0])(x)
+        def one(xi):
+            return eqxrules.quantized_conv(
+                xi[None], w, (1, 1), "SAME", recipe=recipe, key=key, axis_name="batch"
+            )[0]
+
+        return jax.vmap(one, axis_name="batch")(x)
 
     def loss(f):
         return lambda x, w, dy, key: jnp.vdot(f(x, w, key), dy)

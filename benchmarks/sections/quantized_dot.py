@@ -6,7 +6,8 @@ with respect to `x` and `w` of `vdot(f(x, w), dy)` (so the cotangent is a random
 `dy`), where `f` is
 
 - `quantized_dot` on the whole batch, and under `jax.vmap` over the examples (as a
-  layer sees them);
+  layer sees them), its `axis_name` naming that `vmap` (so one call on the
+  batch);
 - `hand_written(recipe)`: one `jax.custom_vjp` written as a careful user would for
   the same recipe: each product's operands quantised by the same public quantisers
   along its reduced axis, the same random Hadamard rotation, the same keys, then
@@ -128,7 +129,12 @@ def losses(recipe: recipes.Recipe) -> dict[str, Callable[..., jax.Array]]:
         return eqxrules.quantized_dot(x, w, recipe=recipe, key=key)
 
     def vmapped(x, w, key):
-        return jax.vmap(lambda xi: ours(xi, w, key))(x)
+        def one(xi):
+            return eqxrules.quantized_dot(
+                xi, w, recipe=recipe, key=key, axis_name="batch"
+            )
+
+        return jax.vmap(one, axis_name="batch")(x)
 
     def loss(f):
         return lambda x, w, dy, key: jnp.vdot(f(x, w, key), dy)

@@ -6,8 +6,8 @@ For each recipe and shape, a jitted `value_and_grad` with respect to both operan
 of `vdot(f(q, k), dy)`, where `f` is
 
 - `quantized_dot_general(q, k, (((2,), (2,)), ((0,), (0,))))` on the whole batch,
-  and under `jax.vmap` over the batch (both operands mapped: one more batch
-  dimension);
+  and under `jax.vmap` over the batch, its `axis_name` naming that `vmap` (both
+  operands mapped: one more batch dimension of one call);
 - `hand_written(recipe)`: one `jax.custom_vjp` written as a careful user would: the
   forward product's operands quantised by the recipe's public quantisers along `d`,
   the `q` gradient's along `k` (axis 2 of `dy`, axis 1 of `k`), the `k` gradient's
@@ -100,8 +100,9 @@ def losses(recipe: recipes.Recipe) -> dict[str, Callable[..., jax.Array]]:
         one = (((1,), (1,)), ((), ()))
         return jax.vmap(
             lambda a, b: eqxrules.quantized_dot_general(
-                a, b, one, recipe=recipe, key=key
-            )
+                a, b, one, recipe=recipe, key=key, axis_name="batch"
+            ),
+            axis_name="batch",
         )(q, k)
 
     def loss(f):

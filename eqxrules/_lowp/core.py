@@ -254,7 +254,7 @@ def _not_differentiated(f: Any, name: str) -> Any:
     return g
 
 
-class Bilinear(VJPRule):
+class _Bilinear(VJPRule):
     """The quantised core as a rule of the library's one custom-VJP function (so
     its cotangents have their primals' dtypes, and forward mode is a clear
     error): `op` computed with the three products of `recipe`, its named axes

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import _axis_names
 from .._inputs import check_float_array, check_key
-from .core import Bilinear
+from .core import _Bilinear
 from .ops import DotGeneral, Op
 from .recipes import Custom, Product, Recipe, block_lengths, reads_key
 
@@ -65,7 +65,7 @@ def run(
     """The quantised core on `op`, its named axes joined. A key the recipe does
     not read is dropped, so that it cannot constrain `vmap`."""
     names = _axis_names.names(axis_name)
-    rule = Bilinear(op, products, names)
+    rule = _Bilinear(op, products, names)
     return rule(
         a,
         b,

@@ -99,8 +99,8 @@ def pact_quantize(x: Float[ArrayLike, '*shape'], alpha: float | Array, *, bits: 
 round(clip(x, 0, α)·n/α)·α/n with n = 2^bits − 1, α learned; derivative `t·[0 <= x < α]`, α's `[x >= α]` (PACT)."""
 
 
-def float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', scale: float | str = 1.0, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
-    """Functional form of [`FloatQuantize`][]: `float_quantize(x, *, format='e4m3', scale=1.0, rounding='nearest', key=None)`.
+def float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', scale: float | str = 1.0, rounding: str = 'nearest', axis_name: Any = None, key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`FloatQuantize`][]: `float_quantize(x, *, format='e4m3', scale=1.0, rounding='nearest', axis_name=None, key=None)`.
 
 scale·round_fmt(clip(x/scale, ±max)) to FP8/FP6/FP4 (e4m3, e5m2, e3m2, e2m3, e2m1), ties to even or unbiased stochastic (`rounding`); derivative `t·[|x/scale| <= max]`."""
 
@@ -111,8 +111,8 @@ def mx_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e2m1', block_si
 OCP MX: blocks of block_size along axis share the scale X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
 
 
-def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, block_size: int = 16, axis: int | tuple[int, int] = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
-    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, block_size=16, axis=-1, rounding='nearest', key=None)`.
+def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, block_size: int = 16, axis: int | tuple[int, int] = -1, rounding: str = 'nearest', axis_name: Any = None, key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, block_size=16, axis=-1, rounding='nearest', axis_name=None, key=None)`.
 
 NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3(amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
 

@@ -21,7 +21,7 @@ import pytest
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._lowp import core
+from eqxrules._lowp import ops
 
 KEY = jax.random.key(7)
 # Each recipe, with the multiple of its weight-gradient blocks (fp8() has none:
@@ -94,16 +94,17 @@ def planted(fresh_products):
 
 
 def _plant_padding(monkeypatch, fill: float, at_front: bool):
-    """The core's padding (`core.pad`) with `fill` instead of zeros, at the front
-    instead of the end if `at_front`."""
-    honest = core.pad
+    """The core's padding (`ops.pad_axis`) with `fill` instead of zeros, at the
+    front instead of the end if `at_front`."""
+    honest = ops.pad_axis
 
-    def padding(v, multiple):
-        rows = honest(v, multiple).shape[0] - v.shape[0]
-        where = ((rows, 0) if at_front else (0, rows),) + ((0, 0),) * (v.ndim - 1)
+    def padding(v, axis, multiple):
+        rows = honest(v, axis, multiple).shape[axis] - v.shape[axis]
+        where = [(0, 0)] * v.ndim
+        where[axis] = (rows, 0) if at_front else (0, rows)
         return jnp.pad(v, where, constant_values=fill)
 
-    monkeypatch.setattr(core, "pad", padding)
+    monkeypatch.setattr(ops, "pad_axis", padding)
 
 
 def _dw_matches(name: str, m: int) -> bool:
@@ -148,7 +149,7 @@ def test_the_honest_padding_passes_where_the_planted_fail(planted, name, m):
 def test_planted_missing_padding_is_caught(planted, name):
     """Without the padding the blocks do not divide the batch: the quantiser (or
     the Hadamard transform's reshape into blocks) refuses it."""
-    planted.setattr(core, "pad", lambda v, multiple: v)
+    planted.setattr(ops, "pad_axis", lambda v, axis, multiple: v)
     with pytest.raises((ValueError, TypeError), match="must divide|cannot reshape"):
         _dw_matches(name, 20)
 
@@ -163,10 +164,10 @@ def test_a_feature_dimension_the_blocks_do_not_divide_still_raises():
         eqxrules.quantized_dot(jnp.ones((20, 64)), jnp.ones((64, 40)), recipe=mx)
 
 
-# A quantised model: a ragged last batch, one example, a scan over examples.
+# A quantised model: a ragged last batch, one example, per-example gradients.
 
 
-def _model():
+def _model(axis_name="batch"):
     # No biases and tanh(0) = 0: rows of zeros stay zero through the model, so the
     # batch padded with zero rows is every layer's reference.
     # Two layers: the first one's gradient comes through the second one's
@@ -174,12 +175,14 @@ def _model():
     mlp = eqx.nn.MLP(
         64, 32, 64, 1, jnp.tanh, use_bias=False, use_final_bias=False, key=KEY
     )
-    return eqxrules.Keyed(eqxrules.quantize(mlp, recipe=recipes.nvfp4()))
+    quantized = eqxrules.quantize(mlp, recipe=recipes.nvfp4(), axis_name=axis_name)
+    return eqxrules.Keyed(quantized)
 
 
 def _loss(model, xs, m):
-    """The loss of the first `m` rows of `xs`, the model `vmap`ped over them."""
-    out = jax.vmap(ft.partial(model, key=KEY))(xs)
+    """The loss of the first `m` rows of `xs`, the model `vmap`ped over them (its
+    layers' `axis_name` naming the `vmap`: one call on the batch)."""
+    out = jax.vmap(ft.partial(model, key=KEY), axis_name="batch")(xs)
     return jnp.sum(out[:m] ** 2)
 
 
@@ -229,23 +232,23 @@ def _one_row_reference(got, want) -> None:
 
 
 @pytest.mark.slow
-def test_a_quantized_model_trains_on_one_example_and_a_scan_of_them():
+def test_a_quantized_model_trains_on_one_example_and_per_example():
     model = _model()
-    # One example: a batch of one under `vmap`, and the example alone.
+    # One example: a batch of one under the named `vmap`, and the example alone
+    # (the model without `axis_name`).
     batch_of_one = _grad(model, _xs()[:1], 1)
     assert _finite(batch_of_one)
     _one_row_reference(batch_of_one, _grad(model, _pad(_xs()[:1], 16), 1))
-    assert _equal(_one(model, _xs()[0]), batch_of_one)
+    alone = _model(axis_name=None)
+    assert _equal(_one(alone, _xs()[0]), batch_of_one)
 
-    # Per-example gradients, a `scan` over single examples.
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-
-    def step(carry, x):
-        return carry, _one(eqx.combine(params, static), x)
-
-    _, per_example = jax.lax.scan(step, None, _xs()[:3])
+    # Per-example gradients: `vmap` of `grad` over examples, each example its own
+    # call (a batch of one, padded to the block), as it is alone.
+    per_example = eqx.filter_jit(eqx.filter_vmap(_one, in_axes=(None, 0)))(
+        alone, _xs()[:3]
+    )
     for i in range(3):
         g_i = jax.tree.map(lambda v: v[i], per_example)
         assert _finite(g_i)
-        assert _equal(g_i, _one(model, _xs()[i]))
+        _one_row_reference(g_i, _one(alone, _xs()[i]))
         _one_row_reference(g_i, _grad(model, _pad(_xs()[i : i + 1], 16), 1))
