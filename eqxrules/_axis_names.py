@@ -13,6 +13,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
+from jax.custom_batching import custom_vmap
 
 from ._hyper import Check
 
@@ -80,22 +81,35 @@ def check_bound(function: str, axis_name: Any, argument: str = "axis_name") -> N
             ) from None
 
 
-def bound(axis_names: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
-    """The names of `axis_names` bound where this is traced. (A `custom_vjp`'s
-    backward pass under `jax.grad` of a `jax.vmap` is traced after the `vmap`,
-    where its name is no longer bound, though the `vmap` still batches it.)"""
-    out = []
-    for name in axis_names:
-        try:
-            jax.lax.axis_index(name)
-        except NameError:
-            continue
-        out.append(name)
-    return tuple(out)
+def split(axis_name: Any) -> tuple[tuple[Hashable, ...], tuple[Hashable, ...]]:
+    """The names of `axis_name` that an enclosing `jax.vmap` maps (`vmapped`), and
+    the others, bound by a `jax.shard_map` or `jax.pmap` (`collective`): a
+    computation spans the first by joining the mapped axis (a batching rule), the
+    second with collectives (`lax.pmax`). Told apart here, where the names are
+    bound: a batching rule sees `lax.axis_index` of a `vmap`'s name mapped, and
+    of any other name not."""
+    vmapped = [n for n in names(axis_name) if _mapped(n)]
+    return tuple(vmapped), tuple(n for n in names(axis_name) if n not in vmapped)
 
 
-def tags(axis_name: Any) -> tuple[jax.Array, ...]:
-    """One `lax.axis_index` per name: an array mapped along that name's `vmap`
-    (and no other), by which the quantised core's batching rule knows that the
-    axis it batches is the one named."""
-    return tuple(jax.lax.axis_index(n) for n in names(axis_name))
+def _mapped(name: Hashable) -> bool:
+    seen: list[bool] = []
+
+    @custom_vmap
+    def probe(index: jax.Array) -> jax.Array:
+        return index
+
+    @probe.def_vmap
+    def _(size: int, in_batched: Any, index: jax.Array) -> Any:
+        seen.append(bool(in_batched[0]))
+        return index, in_batched[0]
+
+    probe(jax.lax.axis_index(name))
+    return any(seen)
+
+
+def tags(vmapped: tuple[Hashable, ...]) -> tuple[jax.Array, ...]:
+    """One `lax.axis_index` per name of a `vmap`: an array mapped along that
+    name's `vmap` (and no other), by which the quantised core's batching rule
+    knows that the axis it batches is the one named."""
+    return tuple(jax.lax.axis_index(n) for n in vmapped)

@@ -2,7 +2,7 @@
 `sharding_worker.py` in its 8-device subprocess, checked by `test_sharding.py`.
 
 A convolution as a model calls it: `jax.vmap` over examples, each `[32, 8, 8]`,
-with a batch of 32 = 8 devices x 4 examples, so that each device holds 4·64 = 256
+the `vmap` named by the layer's `axis_name` (one call on the batch), with a batch of 32 = 8 devices x 4 examples, so that each device holds 4·64 = 256
 of the weight-gradient product's positions (whole blocks of 32 and 16). Its value
 and both cotangents are computed under `jax.jit` on one device and with the batch
 sharded over the mesh (`NamedSharding`, the kernel replicated). The sharded result
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from sharding_qdot import _auto, collectives
+from sharding_qdot import _auto, collectives, in_mesh
 
 import eqxrules
 from eqxrules import recipes
@@ -50,7 +50,10 @@ PLANTED = (
 
 def _program(conv: Any):
     def run(x, w, c, key):
-        y, pull = jax.vjp(lambda x, w: jax.vmap(lambda xi: conv(xi, w, key))(x), x, w)
+        def f(x, w):
+            return jax.vmap(lambda xi: conv(xi, w, key), axis_name="examples")(x)
+
+        y, pull = jax.vjp(f, x, w)
         return (y, *pull(c))
 
     return run
@@ -58,7 +61,7 @@ def _program(conv: Any):
 
 def _quantized(recipe):
     return lambda xi, w, key: eqxrules.quantized_conv(
-        xi[None], w, (1, 1), "SAME", recipe=recipe, key=key
+        xi[None], w, (1, 1), "SAME", recipe=recipe, key=key, axis_name="examples"
     )[0]
 
 
@@ -100,7 +103,8 @@ def _check(mesh, cases: dict[str, Any]) -> dict[str, Any]:
     )
     single = tuple(jax.device_put(v, one) for v in (x, w, c)) + (key,)
     plain = jax.jit(_program(_plain))
-    plain_collectives = collectives(plain.lower(*sharded).compile().as_text())
+    with in_mesh(mesh):
+        plain_collectives = collectives(plain.lower(*sharded).compile().as_text())
     bounds = _bound(x, w, c)
     out: dict[str, Any] = {}
     for name, recipe in cases.items():
@@ -108,12 +112,14 @@ def _check(mesh, cases: dict[str, Any]) -> dict[str, Any]:
         failures = []
         try:
             want = program(*single)
-            got = program(*sharded)
+            with in_mesh(mesh):
+                got = program(*sharded)
             for part, g, v, b in zip(("y", "dx", "dw"), got, want, bounds):
                 far = np.abs(np.asarray(g, np.float64) - np.asarray(v)) > b
                 if far.any() or not np.isfinite(np.asarray(g)).all():
                     failures.append(f"{part}: {int(far.sum())} elements off")
-            compiled = collectives(program.lower(*sharded).compile().as_text())
+            with in_mesh(mesh):
+                compiled = collectives(program.lower(*sharded).compile().as_text())
         except Exception as e:  # reported, not raised: one JSON for every case
             failures.append(f"raised {type(e).__name__}: {str(e).splitlines()[0]}")
             compiled = []

@@ -1,8 +1,10 @@
 """`quantized_dot` with 8-device data parallelism: run by `sharding_worker.py` (in
 its 8-device subprocess), checked by `test_sharding.py`.
 
-A linear layer as a model calls it: `jax.vmap` over examples, each `[K]`, with a
-batch of 256 = 8 devices x 32 rows (so each device holds whole blocks of the
+A linear layer as a model calls it: `jax.vmap` over examples, each `[K]`, the
+`vmap` named `examples` by the layer's `axis_name` (so one call on the batch; a
+name other than the mesh axis's, which explicit sharding keeps), with a batch
+of 256 = 8 devices x 32 rows (so each device holds whole blocks of the
 weight-gradient product). Its value and both cotangents are computed under `jax.jit`
 on one device and with the batch sharded over the mesh (`NamedSharding`, the
 weight replicated); each must be the reference of `lowp_helpers` (public quantisers,
@@ -12,15 +14,24 @@ The compiled program's collectives are listed beside those of the same program
 with `jnp.dot`, whose gradient needs one all-reduce of the weight's cotangent.
 
 Then under `jax.shard_map`, where each device runs the program on its own 32 rows
-(the weight and the key replicated): each device's value and input cotangent must
-be the reference of its rows alone (per-tensor scales are then the device's, the
-draws the same key's on every device), and the weight's cotangent, summed over the
-devices by the transpose of its replication, the sum of those references. Planted
-beside it: a weight cotangent summed once more.
+(the weight and the key replicated), its local `vmap` named `rows`:
+
+- with `axis_name="rows"`, each device's value and input cotangent must be the
+  reference of its rows alone (per-tensor scales are then the device's, the draws
+  the same key's on every device), and the weight's cotangent, summed over the
+  devices by the transpose of its replication, the sum of those references.
+  Planted beside it: a weight cotangent summed once more;
+- with `axis_name=("batch", "rows")`, naming the mesh axis too, the per-tensor
+  scales span the devices (one `pmax` of a scalar each), the blocks stay within
+  each device's rows: value and summed cotangents are the whole batch's reference
+  (each recipe that draws nothing, or whose draws follow no per-tensor scale).
+  Planted beside it: the same program without the mesh axis's name, whose
+  per-tensor scales are each device's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -58,12 +69,24 @@ COLLECTIVE = re.compile(
 )
 
 
-def _program(dot: Any):
+def _program(dot: Any, name: str = "examples"):
+    """The value and cotangents of `dot` mapped over the examples (a `vmap` named
+    `name`)."""
+
     def run(x, w, c, key):
-        y, pull = jax.vjp(lambda x, w: jax.vmap(lambda xi: dot(xi, w, key))(x), x, w)
+        def f(x, w):
+            return jax.vmap(lambda xi: dot(xi, w, key), axis_name=name)(x)
+
+        y, pull = jax.vjp(f, x, w)
         return (y, *pull(c))
 
     return run
+
+
+def _dot(recipe, axis_name):
+    return lambda xi, w, key: eqxrules.quantized_dot(
+        xi, w, recipe=recipe, key=key, axis_name=axis_name
+    )
 
 
 def collectives(text: str) -> list[tuple[str, list[int]]]:
@@ -78,6 +101,14 @@ def collectives(text: str) -> list[tuple[str, list[int]]]:
         )
         for shapes, op in COLLECTIVE.findall(text)
     ]
+
+
+def in_mesh(mesh):
+    """The context that explicit sharding asks for around a program on `mesh`
+    (`jax.set_mesh`, from jax 0.7; `lax.axis_index` of a `vmap` over a sharded
+    axis needs it), or none where JAX has no such thing."""
+    setter = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "use_mesh", None)
+    return contextlib.nullcontext() if setter is None else setter(mesh)
 
 
 def _auto(mesh):
@@ -137,6 +168,24 @@ def _per_device_reference(recipe: Any, devices: int) -> dict[str, Any]:
     return out
 
 
+def _whole_batch_reference(recipe: Any, devices: int) -> dict[str, Any]:
+    """The reference of one call on the whole batch, the bound of `dw` widened by
+    that of summing `devices` partial sums (as `_per_device_reference`)."""
+    x, w, c, key = _data()
+    out = dict(reference(recipe, x, w, c, key))
+    value, bound = out["dw"]
+    g = gamma(devices, U32)
+    out["dw"] = (value, bound * (1 + g) + g * (np.abs(value) + bound))
+    return out
+
+
+# The recipes whose spanned per-device run is the whole batch's: those whose
+# quantisers draw nothing (a key draws the same numbers on each device's rows as
+# on the first rows of the batch, not those of the device's rows in the batch).
+# The Hadamard signs draw from the key too, but the same signs for every block.
+SPANNED = ("identity", "mxfp8", "fp8", "nvfp4_1d_nearest_rht")
+
+
 def _check_shard_map(mesh, shard_map: Any, sums_replicated: bool) -> dict[str, Any]:
     x, w, c, key = _data()
     batch, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
@@ -146,15 +195,34 @@ def _check_shard_map(mesh, shard_map: Any, sums_replicated: bool) -> dict[str, A
         jax.device_put(c, batch),
         key,
     )
-    cases = {name: (recipe, 0) for name, recipe in RECIPES.items()}
-    cases["planted_weight_cotangent_summed_twice"] = (RECIPES["identity"], 1)
+    devices = len(mesh.devices.flat)
+    # (recipe, extra sums of dw, the layer's axis names, the reference).
+    cases = {
+        name: (recipe, 0, "rows", _per_device_reference(recipe, devices))
+        for name, recipe in RECIPES.items()
+    }
+    cases["planted_weight_cotangent_summed_twice"] = (
+        RECIPES["identity"],
+        1,
+        "rows",
+        _per_device_reference(RECIPES["identity"], devices),
+    )
+    for name in SPANNED:
+        whole = _whole_batch_reference(RECIPES[name], devices)
+        cases[f"spanned_{name}"] = (RECIPES[name], 0, ("batch", "rows"), whole)
+    cases["planted_scales_not_spanned"] = (
+        RECIPES["fp8"],
+        0,
+        "rows",
+        _whole_batch_reference(RECIPES["fp8"], devices),
+    )
     out: dict[str, Any] = {}
-    for name, (recipe, extra_sums) in cases.items():
+    for name, (recipe, extra_sums, names, ref) in cases.items():
 
-        def local(x, w, c, key, r=recipe, sums=extra_sums + (not sums_replicated)):
-            y, dx, dw = _program(
-                lambda xi, w, key: eqxrules.quantized_dot(xi, w, recipe=r, key=key)
-            )(x, w, c, key)
+        def local(
+            x, w, c, key, r=recipe, n=names, sums=extra_sums + (not sums_replicated)
+        ):
+            y, dx, dw = _program(_dot(r, n), "rows")(x, w, c, key)
             for _ in range(sums):
                 dw = jax.lax.psum(dw, "batch")
             return y, dx, dw
@@ -169,11 +237,13 @@ def _check_shard_map(mesh, shard_map: Any, sums_replicated: bool) -> dict[str, A
         )
         failures = []
         try:
-            ref = _per_device_reference(recipe, len(mesh.devices.flat))
             for part, got in zip(("y", "dx", "dw"), program(*args)):
                 bad = mismatches(got, *ref[part])
                 if bad:
                     failures.append(f"{part}: {bad} elements off")
+            if name == "spanned_fp8":
+                text = program.lower(*args).compile().as_text()
+                out["spanned_fp8_collectives"] = collectives(text)
         except Exception as e:  # reported, not raised: one JSON for every case
             failures.append(f"raised {type(e).__name__}: {str(e).splitlines()[0]}")
         out[name] = failures
@@ -197,25 +267,26 @@ def _check(mesh, cases: dict[str, Any]) -> dict[str, Any]:
         key,
     )
     plain = jax.jit(_program(lambda xi, w, key: jnp.dot(xi, w)))
-    plain_collectives = collectives(plain.lower(*sharded).compile().as_text())
+    with in_mesh(mesh):
+        plain_collectives = collectives(plain.lower(*sharded).compile().as_text())
     out: dict[str, Any] = {}
     for name, recipe in cases.items():
-        program = jax.jit(
-            _program(
-                lambda xi, w, key, r=recipe: eqxrules.quantized_dot(
-                    xi, w, recipe=r, key=key
-                )
-            )
-        )
+        program = jax.jit(_program(_dot(recipe, "examples")))
         failures = []
         try:
             ref = reference(recipe, x, w, c, key)
             for where, args in (("one device", single), ("sharded", sharded)):
-                for part, got in zip(("y", "dx", "dw"), program(*args)):
-                    bad = mismatches(got, *ref[part])
+                context = (
+                    in_mesh(mesh) if where == "sharded" else contextlib.nullcontext()
+                )
+                with context:
+                    got = program(*args)
+                for part, value in zip(("y", "dx", "dw"), got):
+                    bad = mismatches(value, *ref[part])
                     if bad:
                         failures.append(f"{where}: {part}: {bad} elements off")
-            compiled = collectives(program.lower(*sharded).compile().as_text())
+            with in_mesh(mesh):
+                compiled = collectives(program.lower(*sharded).compile().as_text())
         except Exception as e:  # reported, not raised: one JSON for every case
             failures.append(f"raised {type(e).__name__}: {str(e).splitlines()[0]}")
             compiled = []

@@ -40,6 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.tree_util as jtu  # noqa: E402
 import numpy as np  # noqa: E402
+import sharding_models  # noqa: E402
 import sharding_qconv  # noqa: E402
 import sharding_qdot  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
@@ -211,6 +212,7 @@ def main() -> dict:
     result = {"devices": len(jax.devices()), "entries": entries}
     result["quantized_dot"] = sharding_qdot.check(mesh, shard_map, not OLD_SHARD_MAP)
     result["quantized_conv"] = sharding_qconv.check(mesh)
+    result["models"] = sharding_models.check(mesh, shard_map, not OLD_SHARD_MAP)
     try:
         figures = _example_module().main(quick=True)
         result["data_parallel"] = {

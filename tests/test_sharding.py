@@ -135,14 +135,47 @@ def test_quantized_dot_sharded_equals_one_device(sharded):
 
 
 def test_quantized_dot_under_shard_map_is_each_devices_own(sharded):
-    """Under `shard_map`, each device's value and input cotangent are the reference
-    of its own rows, and the weight's cotangent is their sum, taken once (a sum
-    taken twice, planted, is caught)."""
+    """Under `shard_map`, with `axis_name` naming the devices' own `vmap` alone,
+    each device's value and input cotangent are the reference of its own rows, and
+    the weight's cotangent is their sum, taken once (a sum taken twice, planted,
+    is caught)."""
     results = sharded["quantized_dot"]["shard_map"]
     for name in QDOT_RECIPES:
         assert results[name] == [], name
     planted = results["planted_weight_cotangent_summed_twice"]
     assert len(planted) == 1 and planted[0].startswith("dw: "), planted
+
+
+SPANNED = ("identity", "mxfp8", "fp8", "nvfp4_1d_nearest_rht")
+
+
+def test_quantized_dot_under_shard_map_spans_the_devices_by_name(sharded):
+    """With `axis_name` naming the mesh axis too, per-tensor scales span the
+    devices and the blocks stay within each device's rows (32, whole blocks):
+    value and summed cotangents are the whole batch's reference. The same program
+    without the mesh axis's name (per-tensor scales each device's own, `fp8()`) is
+    caught; and the spanning costs all-reduces of scalars only, beside the weight
+    cotangent's sum."""
+    results = sharded["quantized_dot"]["shard_map"]
+    for name in SPANNED:
+        assert results[f"spanned_{name}"] == [], name
+    planted = results["planted_scales_not_spanned"]
+    assert {p.split(":")[0] for p in planted} == {"y", "dx", "dw"}, planted
+    ops = results["spanned_fp8_collectives"]
+    assert all(op == "all-reduce" for op, _ in ops), ops
+    big = [sizes for _, sizes in ops if max(sizes) > 1]
+    assert big == [[64 * 64]], ops  # the weight's cotangent
+    assert len(ops) > 1, ops  # and the scales' maxima
+
+
+def test_models_under_shard_map_train_as_on_one_device(sharded):
+    """A 2-layer MLP and a 2-layer CNN quantised with `axis_name=("batch",
+    "examples")` under `shard_map` over 8 devices: the loss and every gradient
+    bit for bit those of one device (exact dyadic data, power-of-two scales);
+    weight-gradient blocks straddling two devices (planted) are caught."""
+    for model, results in sharded["models"].items():
+        assert results["identity"] == [] and results["mxfp8"] == [], model
+        assert results["planted_straddling_blocks"] != [], model
 
 
 def extra_collectives(ours: list, plain: list) -> list:

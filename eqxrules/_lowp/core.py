@@ -46,7 +46,6 @@ import jax.tree_util as jtu
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
-from .._axis_names import bound
 from .._catalogue import VJPRule
 from .ops import Op
 from .quantise import evaluate, product_keys
@@ -67,17 +66,14 @@ _KINDS = {
 _Maps = tuple[tuple[Any, ...], ...]
 
 
-def _body(op: Op, role: str, spec: Product, names: tuple[Hashable, ...]):
+def _body(op: Op, role: str, spec: Product, spanned: tuple[Hashable, ...]):
     """The product on one problem: `(lhs, rhs, extras, like, key, tags)` ->
-    result, `like` the primal whose cotangent a gradient product gives."""
+    result, `like` the primal whose cotangent a gradient product gives; its
+    per-tensor scales spanning the collective axes `spanned`."""
 
     def run(lhs, rhs, extras, like, key, tags):
         del tags
         g = op if role == "fwd" else op.transpose(role, like)
-        # Spanned with collectives: the names bound here. A named `vmap`'s
-        # products never run this (its batching rule joins the axis instead), and
-        # in a backward pass traced after that `vmap` its name is not bound.
-        spanned = bound(names)
         return evaluate(g, spec, lhs, rhs, extras, key, spanned, role)
 
     return run
@@ -85,12 +81,18 @@ def _body(op: Op, role: str, spec: Product, names: tuple[Hashable, ...]):
 
 @ft.cache
 def product(
-    op: Op, role: str, spec: Product, names: tuple[Hashable, ...] = (), maps: _Maps = ()
+    op: Op,
+    role: str,
+    spec: Product,
+    names: tuple[Hashable, ...] = (),
+    spanned: tuple[Hashable, ...] = (),
+    maps: _Maps = (),
 ) -> Any:
     """Product `role` of `op` with `spec`, as a function of
     `(lhs, rhs, extras, like, key, tags)`, differentiated only as a clear error.
-    `maps` are the unnamed `vmap` axes already applied (outermost first), each
-    `(size, in_axes)` of the six arguments; `names` the named axes not yet joined.
+    `names` are the named `vmap` axes not yet joined (one tag each), `spanned` the
+    collective ones; `maps` the unnamed `vmap` axes already applied (outermost
+    first), each `(size, in_axes)` of the six arguments.
 
     One function per product (cached), jitted with `inline=True`: called eagerly,
     the product is one compiled program (op by op, its quantisers alone would
@@ -98,15 +100,15 @@ def product(
     place, not as a nested call (through a nested call XLA schedules the program
     otherwise: on the attention benchmark, its buffers took 1.2% more memory than
     the same steps written by hand)."""
-    f = _body(op, role, spec, names)
+    f = _body(op, role, spec, spanned)
     for _, axes in reversed(maps):
         f = jax.vmap(f, in_axes=axes)
     if names:
-        f = _batching(f, op, role, spec, names, maps)
+        f = _batching(f, op, role, spec, names, spanned, maps)
     return jax.jit(_not_differentiated(f, op.name), inline=True)
 
 
-def _batching(f, op: Op, role: str, spec: Product, names, maps: _Maps):
+def _batching(f, op: Op, role: str, spec: Product, names, spanned, maps: _Maps):
     """`f` with a batching rule that joins a named axis (`_join`) and maps any
     other (each example its own product, the rule kept for the axes outside)."""
 
@@ -121,8 +123,10 @@ def _batching(f, op: Op, role: str, spec: Product, names, maps: _Maps):
         named = [n for n, b in zip(names, batched[5]) if b]
         if not named:
             axes = jtu.tree_map(lambda b: 0 if b else None, batched)
-            return product(op, role, spec, names, ((size, axes), *maps))(*args), True
-        return _join(op, role, spec, names, maps, named[0], size, args, batched)
+            mapped = ((size, axes), *maps)
+            return product(op, role, spec, names, spanned, mapped)(*args), True
+        joined = (op, role, spec, names, spanned, maps)
+        return _join(joined, named[0], size, args, batched)
 
     return run
 
@@ -134,11 +138,12 @@ def _frozen(tree: Any) -> Any:
     return tree
 
 
-def _join(op, role, spec, names, maps, name, size, args, batched):
-    """Product `role` with the named axis `name` (of length `size`, at 0 of each
-    batched argument) joined to the operation: the result of one call on the
-    whole batch along it, inside each slice of the unnamed axes already mapped
-    (`maps`)."""
+def _join(product_of, name, size, args, batched):
+    """Product `role` (of `product_of`, `product`'s arguments) with the named axis
+    `name` (of length `size`, at 0 of each batched argument) joined to the
+    operation: the result of one call on the whole batch along it, inside each
+    slice of the unnamed axes already mapped (`maps`)."""
+    op, role, spec, names, spanned, maps = product_of
     lhs, rhs, extras, like, key, tags = args
     b_lhs, b_rhs, b_extras, b_like, b_key, _ = batched
     if any(jtu.tree_leaves(b_key)):
@@ -178,7 +183,7 @@ def _join(op, role, spec, names, maps, name, size, args, batched):
     rest = tuple(n for n in names if n != name)
     kept = tuple(t for n, t in zip(names, tags) if n != name)
     inner = _remapped(maps, names, name, joined, len(extras))
-    out = product(join.op, role, spec, rest, inner)(
+    out = product(join.op, role, spec, rest, spanned, inner)(
         new[0], new[1], folded_extras, new[3], key, kept
     )
     if out_kind not in join.kinds:
@@ -257,14 +262,16 @@ def _not_differentiated(f: Any, name: str) -> Any:
 class _Bilinear(VJPRule):
     """The quantised core as a rule of the library's one custom-VJP function (so
     its cotangents have their primals' dtypes, and forward mode is a clear
-    error): `op` computed with the three products of `recipe`, its named axes
-    `names` joined. Called as `(a, b, key=, extras=, tags=)`: `extras` the
-    operation's other operands (group sizes), `tags` one `lax.axis_index` per
-    name."""
+    error): `op` computed with the three products of `recipe`, the named `vmap`
+    axes `names` joined, the collective ones `spanned` by the per-tensor
+    scales. Called as `(a, b, key=, extras=, tags=)`: `extras` the operation's
+    other operands (group sizes), `tags` one `lax.axis_index` per name of
+    `names`."""
 
     op: Op = eqx.field(static=True)
     recipe: Custom = eqx.field(static=True)
     names: tuple[Hashable, ...] = eqx.field(static=True, default=())
+    spanned: tuple[Hashable, ...] = eqx.field(static=True, default=())
 
     elementwise: ClassVar[bool] = False
 
@@ -272,7 +279,7 @@ class _Bilinear(VJPRule):
         return self.op.name
 
     def _product(self, role: str, spec: Product) -> Any:
-        return product(self.op, role, spec, self.names)
+        return product(self.op, role, spec, self.names, self.spanned)
 
     def primal(
         self, a: Array, b: Array, *, key: Any = None, extras=(), tags=()

@@ -62,16 +62,17 @@ def run(
     axis_name: Any,
     extras: tuple[Array, ...] = (),
 ) -> Array:
-    """The quantised core on `op`, its named axes joined. A key the recipe does
-    not read is dropped, so that it cannot constrain `vmap`."""
-    names = _axis_names.names(axis_name)
-    rule = _Bilinear(op, products, names)
+    """The quantised core on `op`, its named axes joined (a `vmap`'s) or spanned
+    with collectives (a `shard_map`'s). A key the recipe does not read is
+    dropped, so that it cannot constrain `vmap`."""
+    vmapped, collective = _axis_names.split(axis_name)
+    rule = _Bilinear(op, products, vmapped, collective)
     return rule(
         a,
         b,
         key=key if random else None,
         extras=extras,
-        tags=_axis_names.tags(axis_name),
+        tags=_axis_names.tags(vmapped),
     )
 
 
@@ -459,6 +460,9 @@ def quantized_dot(
     JAX 0.7). Where each device's rows are a multiple of the blocks, the value and
     the summed gradient are those of one unsharded call (stochastic rounding aside,
     whose draws follow each device's own rows).
+
+    (With explicit sharding, a named `vmap` over a sharded axis needs the mesh
+    set, `jax.set_mesh(mesh)`, as any `lax.axis_index` there does.)
 
     Reverse mode only (`jax.grad`, `jax.vjp`); its derivative is not
     differentiated again.

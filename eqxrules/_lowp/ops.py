@@ -84,10 +84,6 @@ class Op(eqx.Module):
         """The geometry of gradient product `role`, where it is `Transposed`."""
         raise NotImplementedError
 
-    def transposed_flat(self, role: str, like: tuple[int, ...], multiple: int):
-        """`flat` of gradient product `role`, where it is `Transposed`."""
-        return None
-
     def flat(self, multiple: int) -> Flat | None:
         """The operation as one contraction of its operands, each with what it
         contracts as one axis padded with zeros to a multiple of `multiple` (for
@@ -372,28 +368,23 @@ _DOT_PARAMETERS = inspect.signature(jax.lax.dot_general).parameters
 
 
 class Transposed(Op):
-    """A gradient product of `of` (a convolution, a ragged product) as its linear
-    transpose: for `"dx"`, `g(ȳ, b) = (a ↦ f(a, b))ᵀ ȳ`; for `"dw"`,
-    `g(a, ȳ) = (b ↦ f(a, b))ᵀ ȳ`; `like` the shape of the primal whose cotangent
-    it is. Its geometry is `of.transposed_operands(role)`."""
+    """A gradient product of `of` (a convolution) as its linear transpose: for
+    `"dx"`, `g(ȳ, b) = (a ↦ f(a, b))ᵀ ȳ`; for `"dw"`, `g(a, ȳ) = (b ↦ f(a, b))ᵀ ȳ`,
+    taken at `like`, the primal whose cotangent it is (its values unused: `f` is
+    linear; its type, sharding and varying axes under `shard_map` are the
+    cotangent's). Its geometry is `of.transposed_operands(role)`."""
 
     of: Op
     role: str
-    like: tuple[int, ...]
+    like: Array
 
     def __call__(self, lhs: Array, rhs: Array, *extras: Array) -> Array:
-        primal = jax.ShapeDtypeStruct(self.like, _F32)
         if self.role == "dx":
-            f = jax.linear_transpose(lambda a: self.of(a, rhs, *extras), primal)
-            return f(lhs)[0]
-        f = jax.linear_transpose(lambda b: self.of(lhs, b, *extras), primal)
-        return f(rhs)[0]
+            return jax.vjp(lambda a: self.of(a, rhs, *extras), self.like)[1](lhs)[0]
+        return jax.vjp(lambda b: self.of(lhs, b, *extras), self.like)[1](rhs)[0]
 
     def operands(self) -> tuple[Operand, Operand]:
         return self.of.transposed_operands(self.role)
-
-    def flat(self, multiple: int) -> Flat | None:
-        return self.of.transposed_flat(self.role, self.like, multiple)
 
 
 class Conv(Op):
@@ -439,7 +430,7 @@ class Conv(Op):
         )
 
     def transpose(self, role: str, like: Any) -> Transposed:
-        return Transposed(self, role, tuple(like.shape), name=self.name)
+        return Transposed(self, role, like, name=self.name)
 
     def _rows(self) -> Join:
         lhs, _, out = self.dimension_numbers

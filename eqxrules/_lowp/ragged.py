@@ -29,10 +29,11 @@ class RaggedDot(Op):
     `contraction`'s rule (JAX has none for them)."""
 
     role: str = "fwd"
+    like: Array | None = None
 
     def __call__(self, a: Array, b: Array, *extras: Array) -> Array:
         (group_sizes,) = extras
-        return contraction(self.role)(a, b, group_sizes)
+        return contraction(self.role)(a, b, group_sizes, self.like)
 
     def operands(self) -> tuple[Operand, Operand]:
         if self.role == "fwd":
@@ -46,7 +47,7 @@ class RaggedDot(Op):
         return Operand((0,), (1,), segmented=0), Operand((0,), (1,), segmented=0)
 
     def transpose(self, role: str, like: Any) -> RaggedDot:
-        return RaggedDot(role, name=self.name)
+        return RaggedDot(role, like, name=self.name)
 
     def flat(self, multiple: int) -> Flat:
         if self.role == "dw":
@@ -73,9 +74,10 @@ class RaggedDot(Op):
         return Join(self, frozenset("ay"), _fold, _unfold, _joined_sizes)
 
 
-def _contract(role: str, lhs: Array, rhs: Array, sizes: Array) -> Array:
+def _contract(role: str, lhs: Array, rhs: Array, sizes: Array, like: Any) -> Array:
     """Product `role` of `lax.ragged_dot` on one problem, as `lax` computes it (its
-    transposes are `lax`'s own)."""
+    transposes are `lax`'s own, taken at `like`, the primal whose cotangent the
+    product gives)."""
 
     def forward(a: Array, b: Array) -> Array:
         return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=_F32)
@@ -83,10 +85,8 @@ def _contract(role: str, lhs: Array, rhs: Array, sizes: Array) -> Array:
     if role == "fwd":
         return forward(lhs, rhs)
     if role == "dx":
-        a = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1]), _F32)
-        return jax.linear_transpose(lambda a: forward(a, rhs), a)(lhs)[0]
-    b = jax.ShapeDtypeStruct((sizes.shape[0], lhs.shape[1], rhs.shape[1]), _F32)
-    return jax.linear_transpose(lambda b: forward(lhs, b), b)(rhs)[0]
+        return jax.vjp(lambda a: forward(a, rhs), like)[1](lhs)[0]
+    return jax.vjp(lambda b: forward(lhs, b), like)[1](rhs)[0]
 
 
 @ft.cache
@@ -97,14 +97,17 @@ def contraction(role: str) -> Any:
     gradient, which is per example) each example's group is a group of its own."""
 
     @custom_vmap
-    def run(lhs: Array, rhs: Array, sizes: Array) -> Array:
-        return _contract(role, lhs, rhs, sizes)
+    def run(lhs: Array, rhs: Array, sizes: Array, like: Any) -> Array:
+        return _contract(role, lhs, rhs, sizes, like)
 
     @run.def_vmap
-    def rule(size: int, in_batched: Any, lhs: Array, rhs: Array, sizes: Array):
-        lhs_b, rhs_b, sizes_b = in_batched
-        lhs = lhs if lhs_b else jnp.broadcast_to(lhs, (size, *lhs.shape))
-        sizes = sizes if sizes_b else jnp.broadcast_to(sizes, (size, *sizes.shape))
+    def rule(size: int, in_batched: Any, lhs, rhs, sizes, like):
+        lhs_b, rhs_b, sizes_b, like_b = in_batched
+
+        def batched(v: Any, b: Any) -> Any:
+            return v if v is None or b else jnp.broadcast_to(v, (size, *v.shape))
+
+        lhs, sizes = batched(lhs, lhs_b), batched(sizes, sizes_b)
         rows = lhs.shape[1]
         shared = role != "dw" and not rhs_b
         order = _order(rows, sizes, group_major=shared)
@@ -112,15 +115,21 @@ def contraction(role: str) -> Any:
         def sort(v: Array) -> Array:
             return v.reshape(-1, *v.shape[2:])[order]
 
+        def flat(v: Array) -> Array:
+            return v.reshape(-1, *v.shape[2:])
+
+        # `like` is `a` (rows, as `lhs`) for dx, `b` (a matrix per group) for dw.
         if shared:
-            out = run(sort(lhs), rhs, jnp.sum(sizes, axis=0))
+            like = like if like is None else sort(batched(like, like_b))
+            out = run(sort(lhs), rhs, jnp.sum(sizes, axis=0), like)
         elif role == "dw":
-            rhs = rhs if rhs_b else jnp.broadcast_to(rhs, (size, *rhs.shape))
-            out = run(sort(lhs), sort(rhs), sizes.reshape(-1))
+            rhs, like = batched(rhs, rhs_b), flat(batched(like, like_b))
+            out = run(sort(lhs), sort(rhs), sizes.reshape(-1), like)
             return out.reshape(size, -1, *out.shape[1:]), True
         else:
-            rhs = rhs if rhs_b else jnp.broadcast_to(rhs, (size, *rhs.shape))
-            out = run(sort(lhs), rhs.reshape(-1, *rhs.shape[2:]), sizes.reshape(-1))
+            like = like if like is None else sort(batched(like, like_b))
+            rhs = flat(batched(rhs, rhs_b))
+            out = run(sort(lhs), rhs, sizes.reshape(-1), like)
         back = jnp.zeros_like(out).at[order].set(out)
         return back.reshape(size, rows, *out.shape[1:]), True
 
