@@ -4,6 +4,7 @@ inside `jnp`, a bad input is an error naming neither)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -98,25 +99,64 @@ def check_broadcasts(rule: str, argument: str, value: Any, x_shape: Any) -> None
 
 
 def check_key(name: str, key: Any, argument: str = "key") -> None:
-    """Raise a `TypeError` naming `name` and `argument` unless `key` is a PRNG key:
-    a typed key (`jax.random.key(seed)`, dtype `key<...>`) or a legacy raw key (a
-    `uint32` array whose last axis holds the key data, `jax.random.PRNGKey(seed)`).
-    Deep inside `jax.random`, anything else is JAX's "invalid PRNG key data",
-    naming neither. (A legacy key's length is left to JAX: it depends on the PRNG
-    implementation.)"""
+    """Raise an error naming `name` and `argument` unless `key` is one PRNG key: a
+    typed key (`jax.random.key(seed)`, dtype `key<...>`, shape `()`) or a legacy
+    raw key (`jax.random.PRNGKey(seed)`: `uint32`, of the shape the default PRNG
+    implementation's keys have, `(2,)` for threefry). Deep inside `jax.random`,
+    anything else is JAX's "invalid PRNG key data" or "split accepts a single key",
+    naming neither.
+
+    A `TypeError` for what is not a key (another type or dtype, a `uint32` array
+    of another shape); a `ValueError` for a batch of keys (`jax.random.split(key,
+    4)`) where one is expected. The check reads dtype and shape only, so a traced
+    key passes (under `jit`, and under `vmap` one key per example)."""
     dtype = getattr(key, "dtype", None)
     shape = getattr(key, "shape", None)
-    if dtype is not None and shape is not None:
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            return
-        if dtype == jnp.uint32 and len(shape) >= 1:
-            return
-        got = f"an array of dtype {dtype} and shape {tuple(shape)}"
-    else:
+    if dtype is None or shape is None:
         shown = repr(key)
-        got = f"{type(key).__name__} (={shown if len(shown) <= 60 else shown[:57] + '...'})"
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(_not_a_key(name, argument, f"{type(key).__name__} (={shown})"))
+    shape = tuple(shape)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape == ():
+            return
+        raise ValueError(_batch_of_keys(name, argument, "typed key array", shape))
+    raw = _raw_key_shape()
+    if dtype == jnp.uint32 and shape[len(shape) - len(raw) :] == raw:
+        if len(shape) == len(raw):
+            return
+        raise ValueError(
+            _batch_of_keys(name, argument, "legacy uint32 key array", shape)
+        )
     raise TypeError(
+        _not_a_key(name, argument, f"an array of dtype {dtype} and shape {shape}")
+    )
+
+
+def _not_a_key(name: str, argument: str, got: str) -> str:
+    raw = "".join(f"[{n}]" for n in _raw_key_shape())
+    return (
         f"`{name}`: `{argument}` must be a PRNG key, a typed key from "
-        "`jax.random.key(seed)` or a legacy uint32[2] key from "
+        f"`jax.random.key(seed)` or a legacy uint32{raw} key from "
         f"`jax.random.PRNGKey(seed)`, not {got}."
     )
+
+
+def _batch_of_keys(name: str, argument: str, what: str, shape: tuple) -> str:
+    return (
+        f"`{name}`: `{argument}` must be one PRNG key, not a batch of keys (a {what} "
+        f"of shape {shape}, as `jax.random.split` gives): pass one, e.g. "
+        f"`{argument}[0]`, or map the call over them with `jax.vmap`."
+    )
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of a legacy raw key of the default PRNG implementation (`(2,)` for
+    threefry, `(4,)` for rbg)."""
+    return _raw_key_shape_of(getattr(jax.config, "jax_default_prng_impl", None))
+
+
+@functools.cache
+def _raw_key_shape_of(implementation: Any) -> tuple[int, ...]:
+    del implementation  # the cache's key: the shape follows the configured default
+    return tuple(jax.eval_shape(jax.random.PRNGKey, 0).shape)

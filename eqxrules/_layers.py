@@ -40,6 +40,7 @@ from ._lowp.layer import (
     check_layer,
 )
 from ._lowp.recipes import Recipe
+from ._recipe_argument import check_recipe, recipe_of
 from ._rules.blocks import BlockQuantizer
 from ._sign_warning import warn_constant_sign
 from ._tangents import call_with_key
@@ -225,8 +226,10 @@ def quantize(
     """Quantise every matching layer of `model`, by tree surgery (`eqx.tree_at`):
     with quantisers, each `eqx.nn.Linear` and `eqx.nn.Conv` becomes a
     [`Quantized`][] (a whole `eqx.nn.MLP` or CNN binarised in one call); with a
-    `recipe`, each `eqx.nn.Linear` becomes a [`QuantizedLinear`][] (convolutions
-    stay in float32, with a warning).
+    `recipe`, each `eqx.nn.Linear` becomes a [`QuantizedLinear`][] and each
+    `eqx.nn.Conv` (`Conv1d/2d/3d`) a [`QuantizedConv`][]. A recipe cannot compute
+    a transposed convolution (`eqx.nn.ConvTranspose`): it stays in float32, with a
+    warning.
 
     A layer has two independent settings, its quantisers and its recipe, and a call
     sets one of them on the layers it selects, whatever they had:
@@ -251,11 +254,15 @@ def quantize(
         `Linear` and `Conv1d/2d/3d`, if the quantiser has `axis=0`). A learned input
         quantiser is fitted with [`calibrate`][].
     - `recipe`: instead of the quantisers, an [`eqxrules.recipes.Recipe`][]: each
-        matching `eqx.nn.Linear` (by default every one, those inside
-        `eqx.nn.MLP`, `eqx.nn.MultiheadAttention` and the like included) computes
-        its product with [`quantized_dot`][], forward and backward quantised. Wrap
-        the model in [`Keyed`][] to give each layer a key at every call, as a
-        recipe that draws random numbers needs.
+        matching `eqx.nn.Linear` (those inside `eqx.nn.MLP`,
+        `eqx.nn.MultiheadAttention` and the like included) computes its product
+        with [`quantized_dot`][], and each `eqx.nn.Conv` with
+        [`quantized_conv`][], forward and backward quantised. Or a function of
+        each selected layer's path in `model` (`"layers[1]"`, as
+        `jax.tree_util.keystr` writes it, without the leading dot) returning
+        that layer's recipe, or `None` to leave the layer as it is: a recipe per
+        layer. Wrap the model in [`Keyed`][] to give each layer a key at every
+        call, as a recipe that draws random numbers needs.
     - `axis_name`: with `recipe`, the `axis_name` of every layer it builds
         ([`QuantizedLinear`][], [`QuantizedConv`][]): `None` (each call its own,
         under `jax.vmap` too, so `vmap(grad(...))` gives per-example gradients),
@@ -268,8 +275,7 @@ def quantize(
     - `where`: a predicate choosing the layers, given each plain layer (the
         `eqx.nn.Linear` or `Conv` inside any wrapper a previous call put in, so the
         same predicate selects the same layers every time). Default: every
-        `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`); with
-        `recipe`, every `eqx.nn.Linear`.
+        `eqx.nn.Linear` and `eqx.nn.Conv` (so `Conv1d`, `Conv2d`, `Conv3d`).
 
     **Returns:**
 
@@ -277,17 +283,21 @@ def quantize(
 
     **Raises:**
 
-    `ValueError` if no layer is selected: `model` has no `eqx.nn.Linear` (nor,
-    without `recipe`, `eqx.nn.Conv`), or none matches the given `where`; or if a
-    recipe's blocks do not divide a selected layer's `in_features` or
-    `out_features` (naming the layer's path, `model.layers[2]`). `TypeError` if
-    `where` selects for `recipe` a layer that is not an `eqx.nn.Linear`.
+    `ValueError` if no layer is selected: `model` has no `eqx.nn.Linear` or
+    `eqx.nn.Conv`, or none matches the given `where`; or if a recipe's blocks do
+    not divide what a selected layer's products reduce (naming the layer's path,
+    `model.layers[2]`). `TypeError` if `where` selects a layer that is neither an
+    `eqx.nn.Linear` nor an `eqx.nn.Conv`; if `recipe` is neither a recipe nor a
+    function of one argument (a recipe class or factory passed uncalled,
+    `recipe=recipes.mxfp8`, is named, with the call to make:
+    `recipe=recipes.mxfp8()`); or if that function returns anything but a
+    recipe or `None`.
 
     **Warns:**
 
     `UserWarning` when `recipe` is given without `where` and `model` has
-    convolutions (`eqx.nn.Conv`, `eqx.nn.ConvTranspose`): a recipe computes
-    `eqx.nn.Linear` layers only, so they stay in float32; the warning names them.
+    transposed convolutions (`eqx.nn.ConvTranspose`), which stay in float32; the
+    warning names them.
 
     [`NonNegativeSignInputWarning`][] (a `UserWarning`) when `input_quantizer` is a
     sign whose value is +1 on every non-negative input (a rule that declares
@@ -319,17 +329,12 @@ def quantize(
             "recipe's products on the same layers, quantise twice: "
             "`quantize(quantize(model, recipe=...), kernel_quantizer=...)`."
         )
+    check_recipe("quantize", recipe)
     check_names("quantize", axis_name)
     if axis_name is not None and recipe is None:
         raise ValueError(
             f"`quantize`: `axis_name` (={axis_name!r}) is the named axis a recipe's "
             "products span: give it with `recipe=`."
-        )
-    if recipe is not None and not isinstance(recipe, Recipe) and not callable(recipe):
-        raise TypeError(
-            f"`quantize`: `recipe` (={recipe!r}) must be an `eqxrules.recipes.Recipe` "
-            "(e.g. `recipes.mxfp8()`) or a function of a layer's path "
-            "(`'layers[1]'`) returning one, or `None`."
         )
     default = where is _has_weight_layer
 
@@ -352,7 +357,7 @@ def quantize(
         name = f"the layer at `{_path(path)}`"
         layer = _plain(node)
         if recipe is not None:
-            chosen = _recipe_of(recipe, path, name)
+            chosen = recipe_of(recipe, jtu.keystr(path).removeprefix("."), name)
             if chosen is None:
                 return node
             return _with_recipe(node, layer, chosen, path, name, axis_name)
@@ -378,22 +383,6 @@ def quantize(
 
 def _path(path: tuple[Any, ...]) -> str:
     return f"model{jtu.keystr(path)}"
-
-
-def _recipe_of(recipe: Any, path: tuple[Any, ...], name: str) -> Recipe | None:
-    """The recipe of the layer at `path`: `recipe` itself, or what it returns when
-    given the layer's path (`"layers[1]"`), checked."""
-    if isinstance(recipe, Recipe):
-        return recipe
-    where = jtu.keystr(path).removeprefix(".")
-    chosen = recipe(where)
-    if chosen is not None and not isinstance(chosen, Recipe):
-        raise TypeError(
-            f"`quantize`: `recipe`, given the path {where!r} of {name}, returned "
-            f"{chosen!r}; it must return an `eqxrules.recipes.Recipe` or `None` "
-            "(to leave the layer as it is)."
-        )
-    return chosen
 
 
 def _with_recipe(

@@ -4,7 +4,8 @@ other draws; none, a clear error naming the rule; rounding to nearest accepts an
 ignores one), saturation beyond the range and NaN, the derivative (that of rounding
 to nearest), the layers (`Quantized`, `quantize`), and the situations of
 `tests/test_matrix.py` on the stochastic examples. The proof of unbiasedness is in
-`test_stochastic_rounding.py`. Planted defects beside the checks make them fail.
+`test_stochastic_rounding.py` and `test_stochastic_rounding_rules.py`. Planted
+defects beside the checks make them fail.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from conftest import ENTRIES, examples as catalogue_examples
 from matrix import inputs, modes, transforms  # noqa: F401  (register the situations)
 from matrix.harness import BF16, F16, SITUATIONS, Case
-from test_stochastic_rounding import _fields, _FixedKey
+from test_stochastic_rounding_rules import _fields, _FixedKey
 
 import eqxrules
 from eqxrules._rules._formats import FORMATS

@@ -167,6 +167,14 @@ class BlockQuantizer(Rounded, JVPRule):
         return extremes(self._reference, jnp.asarray(x))
 
 
+def _times_pow2(q: Array, k: Array) -> Array:
+    r"""$q \cdot 2^k$ for integers `k` in [-127, 127], by two normal powers of two:
+    $2^{-127}$ is subnormal, which XLA may flush to zero, and at the top of float32
+    a finite $q \cdot 2^k$ must not pass through an infinite $q \cdot 2^{k+1}$."""
+    half = k // 2
+    return q * pow2(half) * pow2(k - half)
+
+
 class MXQuantize(BlockQuantizer):
     r"""Microscaling (OCP MX v1.0) fake quantisation: MXFP8, MXFP6 or MXFP4, with
     the straight-through estimator. Blocks of `block_size` consecutive elements
@@ -233,8 +241,7 @@ class MXQuantize(BlockQuantizer):
         if bits is not None:
             bits = _to_blocks(bits, self.axis, self.block_size)
         q = round_with(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max), bits)
-        # `2^k` in two steps: `2^-127` is subnormal, which XLA may flush to zero.
-        out = q * pow2(k + 1) * 0.5
+        out = _times_pow2(q, k)
         out = jnp.where(jnp.isfinite(amax), out, jnp.nan)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
 
