@@ -120,7 +120,7 @@ def _batching(f, op: Op, role: str, spec: Product, names, spanned, maps: _Maps):
     def rule(size, in_batched, lhs, rhs, extras, like, key, tags):
         args = (lhs, rhs, extras, like, key, tags)
         batched = _frozen(jtu.tree_map(bool, in_batched))
-        named = [n for n, b in zip(names, batched[5]) if b]
+        named = _named(names, batched[5])
         if not named:
             axes = jtu.tree_map(lambda b: 0 if b else None, batched)
             mapped = ((size, axes), *maps)
@@ -129,6 +129,11 @@ def _batching(f, op: Op, role: str, spec: Product, names, spanned, maps: _Maps):
         return _join(joined, named[0], size, args, batched)
 
     return run
+
+
+def _named(names: tuple[Hashable, ...], tags: tuple[bool, ...]) -> list[Hashable]:
+    """The names whose tag the `vmap` at hand maps: the axis it maps is theirs."""
+    return [n for n, b in zip(names, tags) if b]
 
 
 def _frozen(tree: Any) -> Any:
