@@ -44,7 +44,7 @@ from jaxtyping import Array, PRNGKeyArray
 from .._rules.blocks import BlockQuantizer
 from . import ops
 from .hadamard import random_signs, rotate
-from .ops import Op, Operand, flatten, segment, unflatten
+from .ops import Op, Operand, flatten, unflatten
 from .recipes import Product
 
 
@@ -124,13 +124,29 @@ def evaluate(
         op = flat.op
         geometry = op.operands()
         if spec.hadamard is not None:
-            signs = random_signs(keys[2], spec.hadamard)
-            lhs = rotate(lhs, geometry[0].blocked[0], signs)
-            rhs = rotate(rhs, geometry[1].blocked[0], signs)
+            lhs = _rotated(lhs, geometry[0], keys[2], spec.hadamard)
+            rhs = _rotated(rhs, geometry[1], keys[2], spec.hadamard)
     where = Where(op.name, role)
     q_lhs = quantise(spec.lhs, lhs, geometry[0], keys[0], extras, names, where)
     q_rhs = quantise(spec.rhs, rhs, geometry[1], keys[1], extras, names, where)
     return op(q_lhs, q_rhs, *extras)
+
+
+def _rotated(v: Array, operand: Operand, key: Any, n: int) -> Array:
+    """`v` rotated along what its product contracts by the random Hadamard
+    transform of blocks of `n`, its signs drawn from `key`; each index of an
+    independent dimension (a ragged product's group) with signs of its own,
+    from `fold_in(key, i)`."""
+    if not operand.independent:
+        return rotate(v, operand.blocked[0], random_signs(key, n))
+    dim = operand.independent[0]
+    inner = _without(operand, dim)
+
+    def one(slice_: Array, k: Any) -> Array:
+        return _rotated(slice_, inner, k, n)
+
+    keys = _keys(key, v.shape[dim])
+    return jax.vmap(one, in_axes=(dim, 0), out_axes=dim)(v, keys)
 
 
 class Where(NamedTuple):
@@ -260,7 +276,7 @@ def _segments(
     dim = operand.segmented
     assert dim is not None
     along_rows = dim in operand.blocked
-    per, back = segment(v, dim, sizes, block_of(q) if along_rows else 1)
+    per, back = ops.segment(v, dim, sizes, block_of(q) if along_rows else 1)
     inner = Operand(
         tuple(0 if d == dim else d + (d < dim) for d in operand.blocked),
         tuple(d + (d < dim) for d in operand.paired),

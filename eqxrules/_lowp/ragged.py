@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from . import ops
 from .dot import check_call, run
-from .ops import DotGeneral, Flat, Join, Op, Operand, pad_axis, segment
+from .ops import DotGeneral, Flat, Join, Op, Operand, pad_axis
 from .recipes import Recipe
 
 _NAME = "quantized_ragged_dot"
@@ -54,7 +55,7 @@ class RaggedDot(Op):
             # Each group's rows from row 0, padded with zeros to the block: the
             # padding stays in each group's contraction, `[g, P, k]ᵀ [g, P, n]`.
             def per_group(v: Array, extras: tuple[Array, ...]) -> Array:
-                return segment(v, 0, extras[0], multiple)[0]
+                return ops.segment(v, 0, extras[0], multiple)[0]
 
             op = DotGeneral(
                 (((1,), (1,)), ((0,), (0,))), (3, 3), independent=True, name=self.name
