@@ -21,8 +21,8 @@ from ._lowp.conv import quantized_conv as quantized_conv
 from ._lowp.dot import (
     quantized_dot as quantized_dot,
     quantized_dot_general as quantized_dot_general,
-    quantized_einsum as quantized_einsum,
 )
+from ._lowp.einsum import quantized_einsum as quantized_einsum
 from ._lowp.layer import (
     Keyed as Keyed,
     QuantizedConv as QuantizedConv,
