@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -250,6 +251,24 @@ def stochastic_round_to(
 def round_with(fmt: Format, y: Array, bits: Array | None) -> Array:
     """`round_to` where `bits` is `None`, else `stochastic_round_to` with `bits`."""
     return round_to(fmt, y) if bits is None else stochastic_round_to(fmt, y, bits)
+
+
+def amax(v: Array, axis: int | tuple[int, ...] | None = None, keepdims: bool = False):
+    """The largest magnitude of `v` over `axis` (0 for none), NaN where any
+    element is NaN. (XLA's CPU reductions drop a NaN from a `max` of 4096
+    elements or more, from jaxlib 0.10 at least: `jnp.max` alone would give the
+    scale of the other elements, and a NaN would reach one output element where
+    the scale is to make the whole tensor NaN.)"""
+    m = jnp.max(jnp.abs(v), axis=axis, keepdims=keepdims, initial=0.0)
+    nan = jnp.any(jnp.isnan(v), axis=axis, keepdims=keepdims)
+    return jnp.where(nan, jnp.nan, m)
+
+
+def reference_amax(v: Array, axis: Any = None, keepdims: bool = False) -> Array:
+    """An independent `amax`: the count of NaNs, not a boolean reduction."""
+    m = jnp.abs(v).max(axis=axis, keepdims=keepdims, initial=0.0)
+    nans = jnp.sum(jnp.isnan(v).astype(jnp.int32), axis=axis, keepdims=keepdims)
+    return jnp.where(nans > 0, jnp.nan, m)
 
 
 def divide(a: Array, b: Array | float) -> Array:

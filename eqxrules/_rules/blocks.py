@@ -20,10 +20,12 @@ from .._hyper import at_least, axis_index, fixed, hyperparameter, integer
 from .._inputs import check_axis, check_float_array
 from ._formats import (
     FORMATS,
+    amax,
     divide,
     exponent,
     extremes,
     pow2,
+    reference_amax,
     reference_round_to,
     reference_round_with,
     round_to,
@@ -236,27 +238,27 @@ class MXQuantize(BlockQuantizer):
     def _with_bits(self, x: Array, bits: Array | None) -> Array:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
-        amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
-        k = jnp.clip(exponent(amax) - fmt.emax, -127, 127)
+        top = amax(b, axis=-1, keepdims=True)
+        k = jnp.clip(exponent(top) - fmt.emax, -127, 127)
         if bits is not None:
             bits = _to_blocks(bits, self.axis, self.block_size)
         q = round_with(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max), bits)
         out = _times_pow2(q, k)
-        out = jnp.where(jnp.isfinite(amax), out, jnp.nan)
+        out = jnp.where(jnp.isfinite(top), out, jnp.nan)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
 
     def _reference(self, x: Array, bits: Array | None) -> Array:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
-        amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
-        _, e = jnp.frexp(amax)  # amax = m·2^e with m in [1/2, 1)
+        top = reference_amax(b, axis=-1, keepdims=True)
+        _, e = jnp.frexp(top)  # top = m·2^e with m in [1/2, 1)
         k = jnp.clip(e - 1 - fmt.emax, -127, 127)
         y = jnp.ldexp(b, -k)
         y = jnp.where(y > fmt.max, fmt.max, jnp.where(y < -fmt.max, -fmt.max, y))
         if bits is not None:
             bits = _to_blocks(bits, self.axis, self.block_size)
         out = jnp.ldexp(reference_round_with(fmt, y, bits), k)
-        out = jnp.where(jnp.isnan(amax) | (amax == jnp.inf), jnp.nan, out)
+        out = jnp.where(jnp.isnan(top) | (top == jnp.inf), jnp.nan, out)
         return _from_blocks(out, self.axis, x).astype(x.dtype)
 
     @classmethod
@@ -335,7 +337,7 @@ class NVFP4Quantize(BlockQuantizer):
     def _with_bits(self, x: Array, bits: Array | None) -> Array:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
-        t = divide(span(jnp.max(jnp.abs(w), initial=0.0), self.axis_name), 448.0 * 6)
+        t = divide(span(amax(w), self.axis_name), 448.0 * 6)
         b = _to_blocks(w, self.axis, self.block_size)
         a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
         s = round_to(e4m3, jnp.clip(divide(divide(a, 6.0), t), 0.0, 448.0))
@@ -351,8 +353,8 @@ class NVFP4Quantize(BlockQuantizer):
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
         b = _to_blocks(w, self.axis, 16)
-        A = jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True)
-        A = jnp.max(A, axis=tuple(range(A.ndim - 2)), keepdims=True, initial=0.0)
+        A = reference_amax(b, axis=(-2, -1), keepdims=True)
+        A = reference_amax(A, axis=tuple(range(A.ndim - 2)), keepdims=True)
         A = span(A, self.axis_name)
         t = divide(A, 2688.0)
         a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)

@@ -32,9 +32,11 @@ from ._elementwise import _Elementwise, masked_identity
 from ._formats import (
     FORMAT_NAMES,
     FORMATS,
+    amax,
     divide,
     extremes,
     random_bits,
+    reference_amax,
     reference_random_bits,
     reference_round_with,
     round_with,
@@ -223,7 +225,7 @@ class FloatQuantize(Rounded, _Elementwise):
         """$s$ for the float32 `w`: `scale`, or with `"amax"` the array's own."""
         if self.scale != "amax":
             return float(self.scale)
-        a = span(jnp.max(jnp.abs(w), initial=0.0), self.axis_name)
+        a = span(amax(w), self.axis_name)
         s = jnp.maximum(divide(a, FORMATS[self.format].max), _SMALLEST_NORMAL)
         return jnp.where(jnp.isinf(a), jnp.nan, s)
 
@@ -282,7 +284,7 @@ class FloatQuantize(Rounded, _Elementwise):
         fmt = FORMATS[self.format]
         w = x.astype(_F32)
         if self.scale == "amax":
-            a = span(jnp.abs(w).max(initial=0.0), self.axis_name)
+            a = span(reference_amax(w), self.axis_name)
             r = divide(a, fmt.max)
             s = jnp.where(a == jnp.inf, jnp.nan, jnp.where(r < 2.0**-126, 2.0**-126, r))
         else:

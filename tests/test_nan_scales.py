@@ -1,0 +1,57 @@
+"""A NaN reaches every scale it enters, however large the tensor: XLA's CPU
+reductions drop a NaN from a `max` of 4096 elements or more (found under issue
+40), so a scale taken as `jnp.max(|x|)` missed it and a NaN spoiled one element
+where the quantisers' statement makes the whole tensor (a per-tensor scale:
+`FloatQuantize(scale="amax")`, `NVFP4Quantize`) or the whole block (`MXQuantize`)
+NaN. Each value and reference here, eager and jitted, on 8192 elements; planted
+beside it: the scale as a plain `jnp.max`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqxrules
+from eqxrules import recipes
+from eqxrules._rules import blocks, floats
+
+X = jnp.ones((128, 64)).at[5, 7].set(jnp.nan)  # 8192 elements, one NaN
+CASES = {
+    # (quantiser, the NaNs its statement gives)
+    "float_quantize amax": (eqxrules.FloatQuantize(scale="amax"), X.size),
+    "nvfp4_quantize": (eqxrules.NVFP4Quantize(), X.size),
+    "mx_quantize": (eqxrules.MXQuantize(block_size=32), 32),
+}
+
+
+def _nans(f) -> list[int]:
+    return [int(jnp.isnan(g(X)).sum()) for g in (f, jax.jit(f))]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_nan_reaches_every_scale_it_enters(name):
+    q, want = CASES[name]
+    assert _nans(q) == [want, want]
+    assert _nans(q.reference_forward) == [want, want]
+
+
+def test_a_nan_in_x_spoils_every_output_of_an_fp8_product():
+    w = jnp.ones((64, 32))
+    y = jax.jit(lambda x: eqxrules.quantized_dot(x, w, recipe=recipes.fp8()))(X)
+    assert bool(jnp.isnan(y).all())
+
+
+def test_planted_plain_max_is_caught(monkeypatch):
+    def plain(v, axis=None, keepdims=False):
+        return jnp.max(jnp.abs(v), axis=axis, keepdims=keepdims, initial=0.0)
+
+    monkeypatch.setattr(floats, "amax", plain)
+    monkeypatch.setattr(blocks, "amax", plain)
+    # A fresh instance of each: its jitted call traced again with the patch.
+    missed = [
+        name
+        for name, (q, want) in CASES.items()
+        if _nans(lambda x, q=q: q(x + 0.0)) != [want, want]
+    ]
+    assert missed == list(CASES), missed
