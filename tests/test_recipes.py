@@ -258,3 +258,49 @@ def test_quantize_with_a_recipe_rejects_misuse():
     match = r"the layer at `model.layers\[0\]`.*forward product reduces its `in_f"
     with pytest.raises(ValueError, match=match):
         eqxrules.quantize(odd, recipe=recipes.mxfp8())
+
+
+class _LooksBlocked(eqxrules.JVPRule):
+    """A user's quantiser with blocks of its own that does not subclass
+    `BlockQuantizer`: not elementwise, with a `for_reduction_axis` method."""
+
+    block_size: int = 32
+    elementwise = False
+
+    def for_reduction_axis(self, axis, length, where):
+        return self
+
+    def primal(self, x):
+        return x
+
+    def tangent(self, args, t_args, t_self, out, **kwargs):
+        return t_args[0]
+
+
+def test_a_block_quantiser_is_one_that_subclasses_block_quantizer():
+    """`BlockQuantizer` is the one protocol (issue 38 §3): a rule that only looks
+    like one (a `for_reduction_axis` method) is refused where a recipe takes a
+    quantiser, not blocked along the wrong dimension silently; a subclass is
+    taken."""
+    with pytest.raises(TypeError, match=r"`Product`: `lhs` .* must be a quantiser"):
+        recipes.Product(_LooksBlocked())
+
+    class Blocked(eqxrules.MXQuantize):
+        pass
+
+    assert recipes.Product(Blocked()).lhs == Blocked()
+
+
+def test_planted_protocol_by_attribute_is_caught(monkeypatch):
+    """Planted: 0.2's check, `hasattr(v, "for_reduction_axis")`, which takes the
+    look-alike."""
+    from eqxrules._catalogue import Rule
+    from eqxrules._lowp import recipes as module
+
+    def by_attribute(v):
+        return isinstance(v, Rule) and (
+            v.elementwise or hasattr(v, "for_reduction_axis")
+        )
+
+    monkeypatch.setattr(module, "_is_quantizer", by_attribute)
+    assert recipes.Product(_LooksBlocked()).lhs == _LooksBlocked()
