@@ -19,6 +19,7 @@ from . import (
     quantized_conv,
     quantized_dot,
     quantized_dot_general,
+    ragged_dot,
     residuals,
     sr_step,
     suite,
@@ -42,4 +43,5 @@ SECTIONS = (
     sr_step,
     quantized_conv,
     quantized_dot_general,
+    ragged_dot,
 )

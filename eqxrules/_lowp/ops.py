@@ -175,8 +175,9 @@ def unflatten(f: Array, dims: Sequence[int], like_shape: Sequence[int]) -> Array
 def segment(v: Array, dim: int, sizes: Array, multiple: int):
     """`v`'s segments of rows along `dim`, each laid out from row 0 and padded with
     zeros: `[groups, P, ...]` with the rows first (`P` the length of `dim` rounded
-    up to `multiple`); and the function that puts such a layout back in place
-    (rows past the segments zero)."""
+    up to `multiple`); and the function that puts such a layout back in place.
+    (Rows past every segment come back as some row of the last: a ragged
+    product reads none of them.)"""
     rows = jnp.moveaxis(v, dim, 0)
     m = rows.shape[0]
     length = -(-m // multiple) * multiple
@@ -191,12 +192,8 @@ def segment(v: Array, dim: int, sizes: Array, multiple: int):
 
     def back(layout: Array) -> Array:
         r = jnp.arange(m)
-        group = jnp.searchsorted(ends, r, side="right")
-        inside = group < sizes.shape[0]
-        group = jnp.clip(group, 0, sizes.shape[0] - 1)
-        out = layout[group, r - starts[group]]
-        mask = inside.reshape(m, *(1,) * (out.ndim - 1))
-        out = jnp.where(mask, out, jnp.zeros((), out.dtype))
+        group = jnp.clip(jnp.searchsorted(ends, r, side="right"), 0, len(sizes) - 1)
+        out = layout[group, jnp.clip(r - starts[group], 0, length - 1)]
         return jnp.moveaxis(out, 0, dim)
 
     return per, back

@@ -272,7 +272,8 @@ def _segments(
     """Each segment of rows along `operand.segmented` (consecutive, of lengths
     `sizes`) its own tensor: laid out from row 0 and padded with zeros to a
     multiple of the block (where the blocks run along the rows), quantised, and
-    put back in place. Rows past the segments come back zero."""
+    put back in place (rows past the segments, which a ragged product reads
+    not, come back as some row of the last)."""
     dim = operand.segmented
     assert dim is not None
     along_rows = dim in operand.blocked

@@ -1,0 +1,230 @@
+"""`quantized_ragged_dot` forward and backward (issue 38 §4): against
+`lax.ragged_dot` in float32, and against the same steps written by hand.
+
+For each recipe (identity, `fp8()`, `mxfp8()`) at 8 experts, m = 1024 rows,
+k = n = 256, a jitted `value_and_grad` with respect to both operands of
+`vdot(f(lhs, rhs), dy)` with fixed, uneven group sizes (an empty group among
+them), where `f` is
+
+- `quantized_ragged_dot(lhs, rhs, group_sizes, recipe=...)`;
+- `hand_written(recipe)`: one `jax.custom_vjp` written as a careful user would: each
+  group's rows gathered from row 0 (`jnp.take`, zeros past the group), each
+  group's rows and matrix quantised by the recipe's public quantisers (`jax.vmap`
+  over the groups) along what each product contracts, the weight gradient's
+  along each group's rows; the rows put back in place; then `lax.ragged_dot`
+  and its VJP;
+- `lax.ragged_dot` in float32 (the float32 target: flops and temp bytes).
+
+XLA's CPU backend computes `lax.ragged_dot` densely over the groups (about 8x the
+useful flops here); a GPU runs it as a grouped matrix product (JAX's
+`ragged_dot` lowers to XLA's `RaggedDot`, which its GPU backend implements with a
+grouped kernel). Each group's own scales are computed on `[g, m, ·]` layouts, as
+the dense CPU product does itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqxrules
+from eqxrules import recipes
+
+from .. import report, xla
+from ..config import Job
+from .quantized_dot import PAIRS, TARGET_S, _equal
+
+NAME = "ragged_dot"
+DEFAULT = True
+F32 = jnp.float32
+# Issue 38 §4: at most these times `lax.ragged_dot`'s flops and temp bytes in
+# float32, and at most the hand-written steps' (1.00).
+FLOAT32_TARGET = 1.25
+XLA_TARGET = 1.00
+RECIPES = {
+    "identity": recipes.identity(),
+    "fp8()": recipes.fp8(),
+    "mxfp8()": recipes.mxfp8(),
+}
+# (groups, m, k, n). By `job.quick`.
+SHAPES = {False: ((8, 1024, 256, 256),), True: ((4, 128, 64, 64),)}
+
+
+def _sizes(groups: int, m: int) -> np.ndarray:
+    """Uneven group sizes summing to `m`, the second group empty."""
+    weights = np.arange(1, groups + 1, dtype=np.float64)
+    weights[1] = 0
+    sizes = np.floor(m * weights / weights.sum()).astype(np.int32)
+    sizes[-1] += m - sizes.sum()
+    return sizes
+
+
+def _q(q: Any, v: jax.Array, axis: int, key: Any) -> jax.Array:
+    if q is None:
+        return v
+    if isinstance(q, eqxrules.BlockQuantizer) and not isinstance(q.axis, tuple):
+        q = dataclasses.replace(q, axis=axis)
+    return q(v, key=key)
+
+
+def _per_group(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`[g, m, ·]`: each group's rows from row 0, zeros past it; and each row's
+    place in that layout."""
+    m = v.shape[0]
+    starts = jnp.cumsum(sizes) - sizes
+    local = jnp.arange(m)
+    rows = starts[:, None] + local[None, :]
+    inside = local[None, :] < sizes[:, None]
+    per = jnp.where(inside[..., None], jnp.take(v, jnp.clip(rows, 0, m - 1), axis=0), 0)
+    group = jnp.clip(
+        jnp.searchsorted(jnp.cumsum(sizes), local, side="right"), 0, len(sizes) - 1
+    )
+    return per, jnp.stack([group, local - starts[group]])
+
+
+def _back(per: jax.Array, place: jax.Array) -> jax.Array:
+    return per[place[0], place[1]]
+
+
+def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
+    """`f(lhs, rhs, sizes)`: the recipe's three products in one `jax.custom_vjp`
+    (the recipes here draw nothing: no key)."""
+    p = recipe.products()
+
+    def rows(q: Any, v: jax.Array, sizes: jax.Array, axis: int) -> jax.Array:
+        per, place = _per_group(v, sizes)
+        return _back(jax.vmap(lambda u: _q(q, u, axis, None))(per), place)
+
+    def mats(q: Any, b: jax.Array, axis: int) -> jax.Array:
+        return jax.vmap(lambda u: _q(q, u, axis, None))(b)
+
+    def dot(a, b, sizes):
+        return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=F32)
+
+    @jax.custom_vjp
+    def f(a, b, sizes):
+        return dot(rows(p.fwd.lhs, a, sizes, 1), mats(p.fwd.rhs, b, 0), sizes)
+
+    def f_fwd(a, b, sizes):
+        return f(a, b, sizes), (a, b, sizes)
+
+    def f_bwd(residuals, dy):
+        a, b, sizes = residuals
+        qb = mats(p.dx.rhs, b, 1)
+        da = jax.vjp(lambda u: dot(u, qb, sizes), a)[1](rows(p.dx.lhs, dy, sizes, 1))[0]
+        qa = rows(p.dw.lhs, a, sizes, 0)
+        db = jax.vjp(lambda u: dot(qa, u, sizes), b)[1](rows(p.dw.rhs, dy, sizes, 0))[0]
+        return da, db, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def losses(recipe: recipes.Recipe) -> dict[str, Callable[..., jax.Array]]:
+    hand = hand_written(recipe)
+
+    def ours(a, b, sizes):
+        return eqxrules.quantized_ragged_dot(a, b, sizes, recipe=recipe)
+
+    def plain(a, b, sizes):
+        return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=F32)
+
+    def loss(f):
+        return lambda a, b, dy, sizes: jnp.vdot(f(a, b, sizes), dy)
+
+    return dict(eqxrules=loss(ours), hand=loss(hand), float32=loss(plain))
+
+
+def problem(shape: tuple[int, int, int, int]) -> tuple[Any, ...]:
+    g, m, k, n = shape
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = (rng.standard_normal((g, k, n)) / np.sqrt(k)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    return jnp.asarray(a), jnp.asarray(b), jnp.asarray(dy), jnp.asarray(_sizes(g, m))
+
+
+def _row(name: str, shape: tuple[int, int, int, int], job: Job) -> dict[str, Any]:
+    job.log(f"  {name} {shape}")
+    args = problem(shape)
+    figures = {
+        v: xla.figures(jax.value_and_grad(loss, (0, 1)), *args)
+        for v, loss in losses(RECIPES[name]).items()
+    }
+    ours, hand = figures["eqxrules"], figures["hand"]
+    return dict(
+        recipe=name,
+        shape=list(shape),
+        figures={v: xla.deterministic(f) for v, f in figures.items()},
+        equal=_equal(ours["compiled"], hand["compiled"], args),
+        wall={
+            v: xla.interleaved(
+                ours["compiled"],
+                figures[v]["compiled"],
+                args,
+                PAIRS[job.quick],
+                TARGET_S[job.quick],
+            )
+            for v in ("hand", "float32")
+        },
+        load=os.getloadavg()[0],
+    )
+
+
+def run(job: Job) -> dict[str, Any]:
+    rows = [_row(name, shape, job) for shape in SHAPES[job.quick] for name in RECIPES]
+    return dict(rows=rows, pairs=PAIRS[job.quick], target_s=TARGET_S[job.quick])
+
+
+def _shape(shape: list[int]) -> str:
+    g, m, k, n = shape
+    return f"{g} groups, {m}x{k} @ {g}x{k}x{n}"
+
+
+def within(row: dict[str, Any], of: str, target: float) -> bool:
+    o, b = row["figures"]["eqxrules"], row["figures"][of]
+    return o["flops"] <= target * b["flops"] and o["temp"] <= target * b["temp"]
+
+
+def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
+    if res is None:
+        return []
+    rows = res["rows"]
+    lines = report.opening(
+        NAME, res, results, float32_target=FLOAT32_TARGET, xla_target=XLA_TARGET
+    )
+    for r in rows:
+        o, h, f = (r["figures"][v] for v in ("eqxrules", "hand", "float32"))
+        lines.append(
+            f"| {r['recipe']} | {_shape(r['shape'])} | {o['flops']:.4g} | "
+            f"{report.mib(o['temp'])} | {report.ratio(o['flops'], f['flops'])} | "
+            f"{report.ratio(o['temp'], f['temp'])} | "
+            f"{report.ratio(o['flops'], h['flops'])} | "
+            f"{report.ratio(o['temp'], h['temp'])} | "
+            f"{'yes' if r['equal'] else 'no'} |"
+        )
+    lines += report.fill(NAME, "wall", pairs=res["pairs"], target_s=res["target_s"])
+    for r in rows:
+        w = r["wall"]
+        lines.append(
+            f"| {r['recipe']} | {_shape(r['shape'])} | "
+            f"{w['float32']['a_s'] * 1e3:.1f} | {w['float32']['b_s'] * 1e3:.1f} | "
+            f"{report.spread(w['float32'])} | {report.spread(w['hand'])} | "
+            f"{r['load']:.1f} |"
+        )
+    lines += report.fill(
+        NAME,
+        "goals",
+        float32_within=sum(within(r, "float32", FLOAT32_TARGET) for r in rows),
+        hand_within=sum(within(r, "hand", XLA_TARGET) for r in rows),
+        equal=sum(r["equal"] for r in rows),
+        total=len(rows),
+        float32_target=FLOAT32_TARGET,
+        xla_target=XLA_TARGET,
+    )
+    return lines + [""]
