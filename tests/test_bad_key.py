@@ -224,6 +224,16 @@ CALLERS: dict[str, tuple[str, Callable[[Any], Any]]] = {
         "QuantizedConv",
         lambda key: eqxrules.QuantizedConv(_conv(), NO_RHT)(IMAGES[0], key=key),
     ),
+    "quantized_ragged_dot": (
+        "quantized_ragged_dot",
+        lambda key: eqxrules.quantized_ragged_dot(
+            X,
+            jnp.stack([_linear().weight.T] * 2),
+            jnp.asarray([3, X.shape[0] - 3]),
+            recipe=NO_RHT,
+            key=key,
+        ),
+    ),
 }
 
 
