@@ -85,7 +85,8 @@ def spanning(q: Any, names: tuple[Hashable, ...]) -> Any:
     `axis_name` field) and any are named."""
     if not names or "axis_name" not in {f.name for f in dataclasses.fields(q)}:
         return q
-    return dataclasses.replace(q, axis_name=names if len(names) > 1 else names[0])
+    (first, *rest) = names
+    return dataclasses.replace(q, axis_name=names if rest else first)
 
 
 def evaluate(

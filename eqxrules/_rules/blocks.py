@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -18,6 +19,7 @@ from .._axis_names import axis_names, check_bound
 from .._catalogue import Domain, JVPRule
 from .._hyper import at_least, axis_index, fixed, hyperparameter, integer
 from .._inputs import check_axis, check_float_array
+from ._encoded import Encoded, LowPrecision, code_dtype
 from ._formats import (
     FORMATS,
     amax,
@@ -55,11 +57,19 @@ def _to_blocks(x: Array, axis: int | tuple[int, int], size: int) -> Array:
     return x.reshape(*lead, n0 // size, n1 // size, size * size)
 
 
-def _from_blocks(b: Array, axis: int | tuple[int, int], like: Array) -> Array:
+def _moved(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[int]:
+    """`shape` with `axes` moved last, in that order."""
+    axes = tuple(a % len(shape) for a in axes)
+    return [n for i, n in enumerate(shape) if i not in axes] + [shape[a] for a in axes]
+
+
+def _from_blocks(b: Array, axis: int | tuple[int, int], like: Any) -> Array:
+    """The inverse of `_to_blocks`, for an array of `like`'s shape (an array or a
+    `jax.ShapeDtypeStruct`)."""
     if isinstance(axis, int):
-        moved = jnp.moveaxis(like, axis, -1).shape
+        moved = _moved(tuple(like.shape), (axis,))
         return jnp.moveaxis(b.reshape(moved), -1, axis)
-    *lead, n0, n1 = jnp.moveaxis(like, axis, (-2, -1)).shape
+    *lead, n0, n1 = _moved(tuple(like.shape), axis)
     size = math.isqrt(b.shape[-1])
     b = b.reshape(*lead, n0 // size, n1 // size, size, size).swapaxes(-3, -2)
     return jnp.moveaxis(b.reshape(*lead, n0, n1), (-2, -1), axis)
@@ -155,6 +165,21 @@ class BlockQuantizer(Rounded, JVPRule):
         """The value, rounding the elements stochastically with `bits` (one uint32
         per element of `x`), or to nearest where `bits` is `None`."""
 
+
+class _Encoding(BlockQuantizer, LowPrecision):
+    """A block quantiser of the float formats whose value is its codes times its
+    scales (`_encoded`): the value is `decode(encode(x))`, one definition."""
+
+    @abc.abstractmethod
+    def _encode(self, x: Array, bits: Array | None) -> Encoded:
+        """The parts of the value, rounding with `bits` as `_with_bits` does."""
+
+    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+        return self.decode(self._encode(x, bits), x)
+
+    def encode(self, x: Array, *, key: PRNGKeyArray | None = None) -> Encoded:
+        return self._encode(x.astype(_F32), _bits(self, x, key))
+
     def reference_forward(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         """The reference value, drawing as documented."""
         return self._reference(x, _reference_bits(self, x, key))
@@ -169,6 +194,9 @@ class BlockQuantizer(Rounded, JVPRule):
         return extremes(self._reference, jnp.asarray(x))
 
 
+_NAN_BLOCK = -128  # an MX block's exponent when the block is NaN
+
+
 def _times_pow2(q: Array, k: Array) -> Array:
     r"""$q \cdot 2^k$ for integers `k` in [-127, 127], by two normal powers of two:
     $2^{-127}$ is subnormal, which XLA may flush to zero, and at the top of float32
@@ -177,7 +205,7 @@ def _times_pow2(q: Array, k: Array) -> Array:
     return q * pow2(half) * pow2(k - half)
 
 
-class MXQuantize(BlockQuantizer):
+class MXQuantize(_Encoding):
     r"""Microscaling (OCP MX v1.0) fake quantisation: MXFP8, MXFP6 or MXFP4, with
     the straight-through estimator. Blocks of `block_size` consecutive elements
     along `axis` share a power-of-two scale (E8M0).
@@ -235,7 +263,7 @@ class MXQuantize(BlockQuantizer):
     )
     functional_name: ClassVar[str] = "mx_quantize"
 
-    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+    def _encode(self, x: Array, bits: Array | None) -> Encoded:
         fmt = FORMATS[self.format]
         b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
         top = amax(b, axis=-1, keepdims=True)
@@ -243,9 +271,28 @@ class MXQuantize(BlockQuantizer):
         if bits is not None:
             bits = _to_blocks(bits, self.axis, self.block_size)
         q = round_with(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max), bits)
-        out = _times_pow2(q, k)
-        out = jnp.where(jnp.isfinite(top), out, jnp.nan)
-        return _from_blocks(out, self.axis, x).astype(x.dtype)
+        # A block with a NaN or an infinity is NaN (the spec's NaN scale): its
+        # exponent -128, outside the scales' range [-127, 127].
+        finite = jnp.isfinite(top)
+        return Encoded(jnp.where(finite, q, 0.0), jnp.where(finite, k, _NAN_BLOCK))
+
+    def decode(self, e: Encoded, like: Any) -> Array:
+        assert e.scales is not None
+        k = e.scales
+        out = _times_pow2(e.codes, jnp.maximum(k, -127))
+        out = jnp.where(k == _NAN_BLOCK, jnp.nan, out)
+        return _from_blocks(out, self.axis, like).astype(like.dtype)
+
+    def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
+        # Power-of-two scales: the value itself is exact in bfloat16.
+        return self.decode(e, jax.ShapeDtypeStruct(like.shape, _F32)), None
+
+    def storage(self) -> tuple[Any, Any]:
+        return code_dtype(self.format), jnp.int8
+
+    def restored(self, e: Encoded) -> Encoded:
+        assert e.scales is not None
+        return Encoded(e.codes.astype(_F32), e.scales.astype(jnp.int32))
 
     def _reference(self, x: Array, bits: Array | None) -> Array:
         fmt = FORMATS[self.format]
@@ -270,7 +317,7 @@ class MXQuantize(BlockQuantizer):
         ]
 
 
-class NVFP4Quantize(BlockQuantizer):
+class NVFP4Quantize(_Encoding):
     r"""NVIDIA's NVFP4 fake quantisation: FP4 (e2m1) elements in blocks of 16 along
     `axis`, each block with an FP8 (e4m3) scale, under one float32 scale for the
     whole array; the straight-through estimator.
@@ -334,20 +381,36 @@ class NVFP4Quantize(BlockQuantizer):
     )
     functional_name: ClassVar[str] = "nvfp4_quantize"
 
-    def _with_bits(self, x: Array, bits: Array | None) -> Array:
+    def _encode(self, x: Array, bits: Array | None) -> Encoded:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]
         w = x.astype(_F32)
         t = divide(span(amax(w), self.axis_name), 448.0 * 6)
         b = _to_blocks(w, self.axis, self.block_size)
         a = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
         s = round_to(e4m3, jnp.clip(divide(divide(a, 6.0), t), 0.0, 448.0))
-        d = t * s
         if bits is not None:
             bits = _to_blocks(bits, self.axis, self.block_size)
-        q = round_with(e2m1, jnp.clip(divide(b, d), -6.0, 6.0), bits) * d
-        q = jnp.where(s > 0, q, b * 0)
-        q = jnp.where(jnp.isfinite(t), q, jnp.nan)
-        return _from_blocks(q, self.axis, x).astype(x.dtype)
+        c = round_with(e2m1, jnp.clip(divide(b, t * s), -6.0, 6.0), bits)
+        c = jnp.where(s > 0, c, b * 0)  # (a zero of `b`'s sign)
+        # A NaN or an infinity anywhere makes the tensor scale, so the output, NaN.
+        return Encoded(jnp.where(jnp.isfinite(b), c, 0.0), s, t)
+
+    def decode(self, e: Encoded, like: Any) -> Array:
+        assert e.scales is not None and e.tensor is not None
+        # Where no scale is positive (0, or NaN for an all-zero array: t = 0) the
+        # codes are the zeros themselves.
+        out = jnp.where(e.scales > 0, e.codes * (e.tensor * e.scales), e.codes)
+        out = jnp.where(jnp.isfinite(e.tensor), out, jnp.nan)
+        return _from_blocks(out, self.axis, like).astype(like.dtype)
+
+    def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
+        # An E2M1 code times an E4M3 scale: at most 6 significant bits.
+        assert e.scales is not None
+        scaled = jnp.where(e.scales > 0, e.codes * e.scales, e.codes)
+        return _from_blocks(scaled, self.axis, like), e.tensor
+
+    def storage(self) -> tuple[Any, Any]:
+        return code_dtype("e2m1"), jnp.float8_e4m3fn
 
     def _reference(self, x: Array, bits: Array | None) -> Array:
         e4m3, e2m1 = FORMATS["e4m3"], FORMATS["e2m1"]

@@ -29,6 +29,7 @@ from .._hyper import (
     real,
 )
 from ._elementwise import _Elementwise, masked_identity
+from ._encoded import Encoded, LowPrecision, code_dtype
 from ._formats import (
     FORMAT_NAMES,
     FORMATS,
@@ -120,7 +121,7 @@ def span(amax: Array, axis_name: Any) -> Array:
     return amax if axis_name is None else jax.lax.pmax(amax, axis_name)
 
 
-class FloatQuantize(Rounded, _Elementwise):
+class FloatQuantize(LowPrecision, Rounded, _Elementwise):
     r"""Rounding to a floating-point element format (FP8, FP6, FP4), scaled, with
     the straight-through estimator inside the format's range.
 
@@ -257,6 +258,22 @@ class FloatQuantize(Rounded, _Elementwise):
     def _with_bits(self, x: Array, bits: Array | None) -> Array:
         """The value, rounding stochastically with `bits` (one uint32 per element of
         `x`), or to nearest where `bits` is `None`."""
+        return self.decode(self._encode(x, bits), x)
+
+    def encode(self, x: Array, *, key: PRNGKeyArray | None = None) -> Encoded:
+        return self._encode(x.astype(_F32), _bits(self, x, key))
+
+    def decode(self, e: Encoded, like: Any) -> Array:
+        q = e.codes if e.tensor is None else e.codes * e.tensor
+        return q.astype(like.dtype)
+
+    def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
+        return e.codes, e.tensor
+
+    def storage(self) -> tuple[Any, Any]:
+        return code_dtype(self.format, nan=True), None  # a NaN stays in its element
+
+    def _encode(self, x: Array, bits: Array | None) -> Encoded:
         fmt, s, u = self._fmt_and_u(x)
         # Clipping selects with the mask, so XLA computes the mask once, in the
         # forward pass, and keeps that boolean for the backward pass. (Written as
@@ -268,7 +285,7 @@ class FloatQuantize(Rounded, _Elementwise):
         q = round_with(
             fmt, clipped if inside is None else jnp.where(inside, u, clipped), bits
         )
-        return (q if _unit(s) else q * s).astype(x.dtype)
+        return Encoded(q, None, None if _unit(s) else jnp.asarray(s, _F32))
 
     def slope(self, x: Array) -> Array | None:
         if self.scale == "amax":
