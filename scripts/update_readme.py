@@ -8,11 +8,12 @@ fail until this has been run after a rule or a check changes:
 The README's figures of `examples/qat_digits.py`, its QAT table and its row of the
 examples table, are generated from one recorded run, `examples/qat_digits.json`;
 so are those of `examples/lowp_training.py`, its low-precision training table and
-its row, from `examples/lowp_training.json`; and the row of
-`examples/lowp_cnn_digits.py`, from `examples/lowp_cnn_digits.json`. `python
-scripts/update_readme.py --figures` runs the three examples in full mode (about
-four, ten and two minutes: run them on a quiet machine) to record them again
-first; `--figures=qat`, `--figures=lowp` or `--figures=cnn` runs one."""
+its row, from `examples/lowp_training.json`; and the rows of
+`examples/lowp_cnn_digits.py` and `examples/lowp_moe_digits.py`, from their
+JSON beside them. `python scripts/update_readme.py --figures` runs the four
+examples in full mode (about four, 27, two and two minutes: run them on a quiet
+machine) to record them again first; `--figures=NAME` runs one (`EXAMPLES`
+names them: `qat`, `lowp`, `cnn`, `moe`)."""
 
 import inspect
 import json
@@ -29,7 +30,6 @@ from eqxrules.testing import check_rule
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 QAT_EXAMPLE = ROOT / "examples" / "qat_digits.py"
-QAT_FIGURES = QAT_EXAMPLE.with_suffix(".json")
 
 # The README's words for each row of the example's `ROWS` (a new row needs one:
 # tests/test_readme.py checks).
@@ -52,7 +52,6 @@ _QAT_HEADER = (
 _QAT_ROW = "| `qat_digits.py` |"
 
 LOWP_EXAMPLE = ROOT / "examples" / "lowp_training.py"
-LOWP_FIGURES = LOWP_EXAMPLE.with_suffix(".json")
 
 # The README's words for each row of the low-precision example's `ROWS` (a new row
 # needs one: tests/test_readme.py checks).
@@ -82,8 +81,10 @@ _LOWP_HEADER = (
 _LOWP_ROW = "| `lowp_training.py` |"
 
 CNN_EXAMPLE = ROOT / "examples" / "lowp_cnn_digits.py"
-CNN_FIGURES = CNN_EXAMPLE.with_suffix(".json")
 _CNN_ROW = "| `lowp_cnn_digits.py` |"
+
+MOE_EXAMPLE = ROOT / "examples" / "lowp_moe_digits.py"
+_MOE_ROW = "| `lowp_moe_digits.py` |"
 
 
 def _replace(text: str, name: str, body: str) -> str:
@@ -229,18 +230,40 @@ def lowp_example_row(figures: dict) -> str:
     )
 
 
+def _accuracies(figures: dict) -> str:
+    """Each row's mean test accuracy and the number of seeds, from a recorded run
+    of an example whose rows keep their `mean` (`lowp_cnn_digits.py`,
+    `lowp_moe_digits.py`)."""
+    means = ", ".join(f"{r['name']} {r['mean']:.1%}" for r in figures["rows"])
+    return f"test accuracy {means} ({len(figures['settings']['seeds'])} seeds"
+
+
 def cnn_example_row(figures: dict) -> str:
     """The examples table's row for `lowp_cnn_digits.py`, from a recorded run: each
     row's mean test accuracy, and the recipe of the layers no block divides."""
     rows = figures["rows"]
-    means = ", ".join(f"{r['name']} {r['mean']:.1%}" for r in rows)
     edges = {r["recipes"][p] for r in rows[1:] for p in ("conv1", "classifier")}
     return (
         f"{_CNN_ROW} a small CNN trained with FP8, MXFP8 and NVFP4 recipes, one per "
         "layer by its path (`quantize(cnn, recipe=lambda path: ...)`, "
         f"`QuantizedConv`, `Keyed`) against float32 | {figures['seconds']:.0f} s | "
-        f"test accuracy {means} ({len(figures['settings']['seeds'])} seeds; first "
-        f"conv and classifier {' or '.join(sorted(edges))}) |"
+        f"{_accuracies(figures)}; first conv and classifier "
+        f"{' or '.join(sorted(edges))}) |"
+    )
+
+
+def moe_example_row(figures: dict) -> str:
+    """The examples table's row for `lowp_moe_digits.py`, from a recorded run: each
+    row's mean test accuracy, and the range of the experts' shares of the test
+    set's routing slots over every row, seed and expert."""
+    shares = [v for r in figures["rows"] for seed in r["loads"] for v in seed]
+    return (
+        f"{_MOE_ROW} a mixture-of-experts layer (top-{figures['top_k']} routing over "
+        f"{figures['experts']} experts, a load-balancing loss) whose experts' "
+        "products take FP8 and MXFP8 recipes (`quantized_ragged_dot`, group sizes "
+        f"traced) against float32 | {figures['seconds']:.0f} s | "
+        f"{_accuracies(figures)}; {figures['test_images']} test images, each "
+        f"expert {min(shares):.0%} to {max(shares):.0%} of their routing slots) |"
     )
 
 
@@ -252,6 +275,17 @@ def _record(example: pathlib.Path) -> None:
     )
 
 
+# Each example whose README row is generated: its `--figures=NAME`, its script
+# (its record is the JSON beside it), its row's first cell, and the row from the
+# record.
+EXAMPLES = {
+    "qat": (QAT_EXAMPLE, _QAT_ROW, qat_example_row),
+    "lowp": (LOWP_EXAMPLE, _LOWP_ROW, lowp_example_row),
+    "cnn": (CNN_EXAMPLE, _CNN_ROW, cnn_example_row),
+    "moe": (MOE_EXAMPLE, _MOE_ROW, moe_example_row),
+}
+
+
 def main() -> None:
     doc = check_rule.__doc__ or ""
     checks = "\n".join(
@@ -261,16 +295,13 @@ def main() -> None:
     text = _replace(text, "catalogue", _cli.catalogue_markdown())
     text = _replace(text, "checks", checks)
     text = _replace(text, "rule-example", example_rule())
-    figures = json.loads(QAT_FIGURES.read_text())
-    text = _replace(text, "qat-table", qat_table(figures))
-    lowp = json.loads(LOWP_FIGURES.read_text())
-    text = _replace(text, "lowp-table", lowp_table(lowp))
-    cnn = json.loads(CNN_FIGURES.read_text())
-    rows = {
-        _QAT_ROW: qat_example_row(figures),
-        _LOWP_ROW: lowp_example_row(lowp),
-        _CNN_ROW: cnn_example_row(cnn),
+    records = {
+        name: json.loads(script.with_suffix(".json").read_text())
+        for name, (script, _, _) in EXAMPLES.items()
     }
+    text = _replace(text, "qat-table", qat_table(records["qat"]))
+    text = _replace(text, "lowp-table", lowp_table(records["lowp"]))
+    rows = {start: row(records[name]) for name, (_, start, row) in EXAMPLES.items()}
     text = "\n".join(
         next((row for start, row in rows.items() if line.startswith(start)), line)
         for line in text.split("\n")
@@ -283,8 +314,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    examples = (("qat", QAT_EXAMPLE), ("lowp", LOWP_EXAMPLE), ("cnn", CNN_EXAMPLE))
-    for name, example in examples:
+    for name, (example, _, _) in EXAMPLES.items():
         if "--figures" in sys.argv or f"--figures={name}" in sys.argv:
             _record(example)
     main()

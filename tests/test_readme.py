@@ -233,6 +233,16 @@ def test_examples_row_of_lowp_cnn_digits_is_the_recorded_run():
     assert rows == [update.cnn_example_row(_cnn_figures())]
 
 
+def accuracy_summary_problems(r: dict) -> list[str]:
+    """Where a recorded row's mean, lowest and highest test accuracy do not follow
+    from its seeds' accuracies."""
+    a = r["accuracies"]
+    mean = math.isclose(r["mean"], sum(a) / len(a), rel_tol=1e-12)
+    if mean and (r["min"], r["max"]) == (min(a), max(a)):
+        return []
+    return [f"{r['name']}: mean, min or max not of {a}"]
+
+
 def cnn_record_problems(figures: dict, example) -> list[str]:
     """Where the recorded run is not a full run of today's CNN example: other rows,
     settings or layer recipes, another number of seeds, or a summary that does not
@@ -242,12 +252,7 @@ def cnn_record_problems(figures: dict, example) -> list[str]:
         named = {p: example.recipe_name(row.recipe(p)) for p in example.LAYERS}
         if r["recipes"] != named:
             problems.append(f"{row.name}: recipes {r['recipes']}, not {named}")
-        a = r["accuracies"]
-        if not (
-            math.isclose(r["mean"], sum(a) / len(a), rel_tol=1e-12)
-            and (r["min"], r["max"]) == (min(a), max(a))
-        ):
-            problems.append(f"{row.name}: mean, min or max not of {a}")
+        problems += accuracy_summary_problems(r)
     return problems
 
 
@@ -282,6 +287,81 @@ def test_cnn_record_check_catches_a_quick_run_a_recipe_and_an_edited_mean(
     assert len(problems) == 2, problems
     assert problems[0].startswith("mxfp8: mean, min or max not of")
     assert problems[1].startswith("nvfp4: recipes {")
+
+
+# `examples/lowp_moe_digits.py`'s figures: its examples row comes from its
+# recorded run.
+
+
+def _moe_figures() -> dict:
+    return json.loads((ROOT / "examples" / "lowp_moe_digits.json").read_text())
+
+
+def test_examples_row_of_lowp_moe_digits_is_the_recorded_run():
+    """Regenerate with `python scripts/update_readme.py [--figures=moe]`."""
+    update = _script(ROOT / "scripts" / "update_readme.py")
+    rows = [
+        ln for ln in README.splitlines() if ln.startswith("| `lowp_moe_digits.py` |")
+    ]
+    assert rows == [update.moe_example_row(_moe_figures())]
+
+
+def moe_record_problems(figures: dict, example) -> list[str]:
+    """Where the recorded run is not a full run of today's MoE example: other rows,
+    settings, recipes, experts, top-k or balance weight, another number of seeds,
+    a summary that does not follow from the seeds' accuracies, or a seed's expert
+    loads that are not one share per expert summing to 1."""
+    problems = full_run_problems(figures, example, "accuracies")
+    layer = (figures["experts"], figures["top_k"], figures["balance"])
+    if layer != (example.EXPERTS, example.TOP_K, example.BALANCE):
+        problems.append(f"experts, top_k, balance: {layer}")
+    for r, row in zip(figures["rows"], example.ROWS):
+        if r["recipe"] != example.recipe_name(row.recipe):
+            problems.append(f"{row.name}: recipe {r['recipe']}")
+        problems += accuracy_summary_problems(r)
+        for loads in r["loads"]:
+            if len(loads) != example.EXPERTS or not math.isclose(sum(loads), 1):
+                problems.append(f"{row.name}: loads {loads}")
+        if len(r["loads"]) != len(r["accuracies"]):
+            problems.append(f"{row.name}: {len(r['loads'])} seeds' loads")
+    return problems
+
+
+def test_the_moe_record_is_a_full_run_of_every_row(load_example):
+    # A row, a recipe, the layer or a setting changed in the example, or a quick
+    # run recorded, makes the figures stale.
+    example = load_example("lowp_moe_digits")
+    assert moe_record_problems(_moe_figures(), example) == []
+
+
+def test_moe_record_check_catches_a_quick_run_a_recipe_a_mean_and_the_layer(
+    load_example,
+):
+    # Planted defects: a quick run's record (one seed, the quick settings), a row
+    # recorded with another recipe than the example gives it, a mean edited by
+    # hand, another balance weight, and a seed's loads missing an expert.
+    example = load_example("lowp_moe_digits")
+    quick = copy.deepcopy(_moe_figures())
+    quick["settings"] = json.loads(json.dumps(dataclasses.asdict(example.QUICK)))
+    for r in quick["rows"]:
+        r["accuracies"], r["loads"] = r["accuracies"][:1], r["loads"][:1]
+        r["mean"] = r["min"] = r["max"] = r["accuracies"][0]
+    problems = moe_record_problems(quick, example)
+    assert any(p.startswith("settings:") for p in problems), problems
+    assert [p for p in problems if p.endswith(" seeds")] == [
+        f"{row.name}: 1 seeds" for row in example.ROWS
+    ]
+    edited = copy.deepcopy(_moe_figures())
+    edited["rows"][1]["recipe"] = "mxfp8()"
+    edited["rows"][2]["mean"] += 0.001
+    edited["balance"] = 0.1
+    edited["rows"][0]["loads"][2] = edited["rows"][0]["loads"][2][:3]
+    problems = moe_record_problems(edited, example)
+    assert len(problems) == 4, problems
+    assert problems[0] == "experts, top_k, balance: (4, 2, 0.1)"
+    assert problems[1].startswith("float32: loads [")
+    assert problems[2] == "fp8: recipe mxfp8()"
+    assert problems[3].startswith("mxfp8: mean, min or max not of")
 
 
 # `benchmarks/RESULTS.md`: rendered from RESULTS.json, which measured this catalogue.
