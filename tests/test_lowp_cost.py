@@ -71,9 +71,9 @@ def _twice(q):
         return None
 
     class Twice(type(q)):
-        def primal(self, x, *args, **kwargs):
-            once = super().primal
-            return once(once(x, *args, **kwargs), *args, **kwargs)
+        def _encode(self, x, bits):
+            once = super()._encode
+            return once(self.decode(once(x, bits), x), bits)
 
     return Twice(**{f.name: getattr(q, f.name) for f in dataclasses.fields(q)})
 

@@ -32,7 +32,7 @@ import eqxrules
 from eqxrules import recipes
 from eqxrules._lowp.recipes import reads_key
 
-from .. import xla
+from .. import exact, xla
 from ..config import Job
 from .quantized_dot import PAIRS, TARGET_S, render_rows, rows_of
 
@@ -50,31 +50,30 @@ RECIPES = {
 SHAPES = {False: ((64, 32, 64, 16), (32, 64, 128, 32)), True: ((8, 32, 32, 8),)}
 
 
-def _conv(x: jax.Array, w: jax.Array) -> jax.Array:
+def _conv(x: jax.Array, w: jax.Array, precision: Any = None) -> jax.Array:
     return jax.lax.conv_general_dilated(
-        x, w, (1, 1), "SAME", preferred_element_type=F32
+        x, w, (1, 1), "SAME", precision=precision, preferred_element_type=F32
     )
 
 
-def _along(q: Any, v: jax.Array, axis: int, key: Any) -> jax.Array:
+def _along(q: Any, v: jax.Array, axis: int, key: Any) -> exact.Operand:
     """`q` on `v` with its blocks along `axis` (square blocks over the kernel's
     output and input channels, axes 0 and 1, as they are)."""
-    if q is None:
-        return v
     if isinstance(q, eqxrules.BlockQuantizer) and not isinstance(q.axis, tuple):
         q = dataclasses.replace(q, axis=axis)
-    return q(v, key=key)
+    return exact.quantised(q, v, key)
 
 
-def _positions(q: Any, v: jax.Array, key: Any) -> jax.Array:
+def _positions(q: Any, v: jax.Array, key: Any) -> exact.Operand:
     """`q` on `v` (NCHW) with its blocks along the batch and positions: the
     channels moved first, the rest flattened (whose length the shapes' blocks
     divide). An elementwise `q` (one scale per tensor) has no blocks to lay out."""
     if not isinstance(q, eqxrules.BlockQuantizer):
-        return v if q is None else q(v, key=key)
+        return exact.quantised(q, v, key)
     moved = jnp.moveaxis(v, 1, -1)
     flat = moved.reshape(-1, moved.shape[-1])
-    return jnp.moveaxis(_along(q, flat, 0, key).reshape(moved.shape), -1, 1)
+    out = _along(q, flat, 0, key)
+    return exact.reshaped(out, lambda u: jnp.moveaxis(u.reshape(moved.shape), -1, 1))
 
 
 def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
@@ -88,7 +87,8 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
     @jax.custom_vjp
     def f(x, w, key):
         k_x, k_w, _ = keys(keys(key)[0])
-        return _conv(_along(p.fwd.lhs, x, 1, k_x), _along(p.fwd.rhs, w, 1, k_w))
+        q_x, q_w = _along(p.fwd.lhs, x, 1, k_x), _along(p.fwd.rhs, w, 1, k_w)
+        return exact.contract(_conv, q_x, q_w)
 
     def f_fwd(x, w, key):
         return f(x, w, key), (x, w, key)
@@ -97,11 +97,19 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
         x, w, key = residuals
         _, k_dx, k_dw = keys(key)
         k_g, k_w, _ = keys(k_dx)
-        q_w = _along(p.dx.rhs, w, 0, k_w)
-        dx = jax.vjp(lambda a: _conv(a, q_w), x)[1](_along(p.dx.lhs, dy, 1, k_g))[0]
+
+        def input_gradient(g, q_w, precision):
+            return jax.vjp(lambda a: _conv(a, q_w, precision), x)[1](g)[0]
+
+        q_g, q_w = _along(p.dx.lhs, dy, 1, k_g), _along(p.dx.rhs, w, 0, k_w)
+        dx = exact.contract(input_gradient, q_g, q_w)
         k_x, k_g, _ = keys(k_dw)
-        q_x = _positions(p.dw.lhs, x, k_x)
-        dw = jax.vjp(lambda b: _conv(q_x, b), w)[1](_positions(p.dw.rhs, dy, k_g))[0]
+
+        def weight_gradient(q_x, g, precision):
+            return jax.vjp(lambda b: _conv(q_x, b, precision), w)[1](g)[0]
+
+        q_x, q_g = _positions(p.dw.lhs, x, k_x), _positions(p.dw.rhs, dy, k_g)
+        dw = exact.contract(weight_gradient, q_x, q_g)
         return dx, dw, None
 
     f.defvjp(f_fwd, f_bwd)

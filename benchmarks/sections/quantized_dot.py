@@ -10,8 +10,9 @@ with respect to `x` and `w` of `vdot(f(x, w), dy)` (so the cotangent is a random
   batch);
 - `hand_written(recipe)`: one `jax.custom_vjp` written as a careful user would for
   the same recipe: each product's operands quantised by the same public quantisers
-  along its reduced axis, the same random Hadamard rotation, the same keys, then
-  `lax.dot_general` with float32 output;
+  along its reduced axis (their payloads and tensor scales, `benchmarks/exact.py`),
+  the same random Hadamard rotation, the same keys, then `lax.dot_general` with
+  float32 output at a named precision;
 - `jnp.dot` in float32, unquantised (for information).
 
 XLA's flops and bytes (`cost_analysis()`) and temp bytes (`memory_analysis()`) are
@@ -33,7 +34,7 @@ import eqxrules
 from eqxrules import recipes
 from eqxrules._lowp.recipes import reads_key
 
-from .. import report, xla
+from .. import exact, report, xla
 from ..config import Job
 
 NAME = "quantized_dot"
@@ -95,10 +96,16 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
             if spec.hadamard is not None:
                 signs = jax.random.rademacher(k_signs, (spec.hadamard,), F32)
                 a, b = _rotate(a, a_axis, signs), _rotate(b, b_axis, signs)
-        qa = a if spec.lhs is None else _along(spec.lhs, a_axis)(a, key=k_a)
-        qb = b if spec.rhs is None else _along(spec.rhs, b_axis)(b, key=k_b)
+        qa = exact.quantised(_along(spec.lhs, a_axis), a, k_a)
+        qb = exact.quantised(_along(spec.rhs, b_axis), b, k_b)
         dims = (((a_axis,), (b_axis,)), ((), ()))
-        return jax.lax.dot_general(qa, qb, dims, preferred_element_type=F32)
+
+        def dot(x, y, precision):
+            return jax.lax.dot_general(
+                x, y, dims, precision=precision, preferred_element_type=F32
+            )
+
+        return exact.contract(dot, qa, qb)
 
     def keys(key):
         return (None,) * 3 if key is None else tuple(jax.random.split(key, 3))

@@ -30,7 +30,7 @@ import eqxrules
 from eqxrules import recipes
 from eqxrules._lowp.recipes import reads_key
 
-from .. import xla
+from .. import exact, xla
 from ..config import Job
 from .quantized_dot import PAIRS, RECIPES, TARGET_S, _rotate, render_rows, rows_of
 
@@ -42,18 +42,18 @@ DIMS = (((2,), (2,)), ((0,), (0,)))
 SHAPES = {False: ((16, 256, 64), (8, 512, 128)), True: ((2, 32, 64),)}
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(a, b, DIMS, preferred_element_type=F32)
+def _dot(a: jax.Array, b: jax.Array, precision: Any = None) -> jax.Array:
+    return jax.lax.dot_general(
+        a, b, DIMS, precision=precision, preferred_element_type=F32
+    )
 
 
-def _q(q: Any, v: jax.Array, axis: int, key: Any, square=(1, 2)) -> jax.Array:
+def _q(q: Any, v: jax.Array, axis: int, key: Any, square=(1, 2)) -> exact.Operand:
     """`q` on `v`, its blocks along `axis` (square blocks over `square`)."""
-    if q is None:
-        return v
     if isinstance(q, eqxrules.BlockQuantizer):
         axes = square if isinstance(q.axis, tuple) else axis
         q = dataclasses.replace(q, axis=axes)
-    return q(v, key=key)
+    return exact.quantised(q, v, key)
 
 
 def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
@@ -72,7 +72,7 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
 
     @jax.custom_vjp
     def f(q, k, key):
-        return _dot(*operands(p.fwd, q, 2, k, 2, keys(key)[0]))
+        return exact.contract(_dot, *operands(p.fwd, q, 2, k, 2, keys(key)[0]))
 
     def f_fwd(q, k, key):
         return f(q, k, key), (q, k, key)
@@ -80,10 +80,15 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
     def f_bwd(residuals, dy):
         q, k, key = residuals
         _, k_dq, k_dk = keys(key)
-        g, qk = operands(p.dx, dy, 2, k, 1, k_dq)
-        dq = jax.vjp(lambda a: _dot(a, qk), q)[1](g)[0]
-        qq, g = operands(p.dw, q, 1, dy, 1, k_dk)
-        dk = jax.vjp(lambda b: _dot(qq, b), k)[1](g)[0]
+
+        def dq_of(g, qk, precision):
+            return jax.vjp(lambda a: _dot(a, qk, precision), q)[1](g)[0]
+
+        def dk_of(qq, g, precision):
+            return jax.vjp(lambda b: _dot(qq, b, precision), k)[1](g)[0]
+
+        dq = exact.contract(dq_of, *operands(p.dx, dy, 2, k, 1, k_dq))
+        dk = exact.contract(dk_of, *operands(p.dw, q, 1, dy, 1, k_dk))
         return dq, dk, None
 
     f.defvjp(f_fwd, f_bwd)

@@ -35,7 +35,7 @@ import numpy as np
 import eqxrules
 from eqxrules import recipes
 
-from .. import report, xla
+from .. import exact, report, xla
 from ..config import Job
 from .quantized_dot import PAIRS, TARGET_S, _equal
 
@@ -64,12 +64,23 @@ def _sizes(groups: int, m: int) -> np.ndarray:
     return sizes
 
 
-def _q(q: Any, v: jax.Array, axis: int, key: Any) -> jax.Array:
-    if q is None:
-        return v
+def _q(q: Any, v: jax.Array, axis: int) -> exact.Operand:
+    """`q` on `v`, blocks along `axis`."""
     if isinstance(q, eqxrules.BlockQuantizer) and not isinstance(q.axis, tuple):
         q = dataclasses.replace(q, axis=axis)
-    return q(v, key=key)
+    return exact.quantised(q, v, None)
+
+
+def _each(q: Any, per: jax.Array, axis: int) -> exact.Operand:
+    """`q` on each group (`per[i]`), its values times its own tensor scale: a
+    product cannot take a scale per group out of its sum."""
+    if q is None:
+        return exact.Operand(per)
+    value, scale = jax.vmap(lambda u: _q(q, u, axis)[:2])(per)
+    exact_payload = _q(q, per[0], axis).exact
+    if scale is None:
+        return exact.Operand(value, None, exact_payload)
+    return exact.Operand(value * scale.reshape(-1, *(1,) * (value.ndim - 1)))
 
 
 def _per_group(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -96,30 +107,37 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
     (the recipes here draw nothing: no key)."""
     p = recipe.products()
 
-    def rows(q: Any, v: jax.Array, sizes: jax.Array, axis: int) -> jax.Array:
+    def rows(q: Any, v: jax.Array, sizes: jax.Array, axis: int) -> exact.Operand:
         per, place = _per_group(v, sizes)
-        return _back(jax.vmap(lambda u: _q(q, u, axis, None))(per), place)
+        return exact.reshaped(_each(q, per, axis), lambda u: _back(u, place))
 
-    def mats(q: Any, b: jax.Array, axis: int) -> jax.Array:
-        return jax.vmap(lambda u: _q(q, u, axis, None))(b)
+    def dot(sizes):
+        def product(a, b, precision):
+            return jax.lax.ragged_dot(
+                a, b, sizes, precision=precision, preferred_element_type=F32
+            )
 
-    def dot(a, b, sizes):
-        return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=F32)
+        return product
 
     @jax.custom_vjp
     def f(a, b, sizes):
-        return dot(rows(p.fwd.lhs, a, sizes, 1), mats(p.fwd.rhs, b, 0), sizes)
+        qa, qb = rows(p.fwd.lhs, a, sizes, 1), _each(p.fwd.rhs, b, 0)
+        return exact.contract(dot(sizes), qa, qb)
 
     def f_fwd(a, b, sizes):
         return f(a, b, sizes), (a, b, sizes)
 
     def f_bwd(residuals, dy):
         a, b, sizes = residuals
-        qb = mats(p.dx.rhs, b, 1)
-        da = jax.vjp(lambda u: dot(u, qb, sizes), a)[1](rows(p.dx.lhs, dy, sizes, 1))[0]
-        qa = rows(p.dw.lhs, a, sizes, 0)
-        db = jax.vjp(lambda u: dot(qa, u, sizes), b)[1](rows(p.dw.rhs, dy, sizes, 0))[0]
-        return da, db, None
+        qb = exact.reshaped(_each(p.dx.rhs, b, 1), lambda u: jnp.swapaxes(u, 1, 2))
+        da = exact.contract(dot(sizes), rows(p.dx.lhs, dy, sizes, 1), qb)
+
+        def weight_gradient(qa, g, precision):
+            forward = dot(sizes)
+            return jax.vjp(lambda u: forward(qa, u, precision), b)[1](g)[0]
+
+        qa, g = rows(p.dw.lhs, a, sizes, 0), rows(p.dw.rhs, dy, sizes, 0)
+        return da, exact.contract(weight_gradient, qa, g), None
 
     f.defvjp(f_fwd, f_bwd)
     return f

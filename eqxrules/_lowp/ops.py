@@ -67,8 +67,10 @@ class Op(eqx.Module):
     name: str = eqx.field(default="quantized_dot_general", kw_only=True)
 
     @abc.abstractmethod
-    def __call__(self, a: Array, b: Array, *extras: Array) -> Array:
-        """`f(a, b)`, float32 operands and result."""
+    def __call__(
+        self, a: Array, b: Array, *extras: Array, precision: Any = None
+    ) -> Array:
+        """`f(a, b)`, float32 operands and result, at `precision` (`lax`'s)."""
 
     @abc.abstractmethod
     def operands(self) -> tuple[Operand, Operand]:
@@ -214,13 +216,20 @@ class DotGeneral(Op):
     out_sharding: Any = None
     independent: bool = False
 
-    def __call__(self, a: Array, b: Array, *extras: Array) -> Array:
+    def __call__(
+        self, a: Array, b: Array, *extras: Array, precision: Any = None
+    ) -> Array:
         x, y = (b, a) if self.swap else (a, b)
         sharding = (
             {} if self.out_sharding is None else {"out_sharding": self.out_sharding}
         )
         out = jax.lax.dot_general(
-            x, y, self.dimension_numbers, preferred_element_type=_F32, **sharding
+            x,
+            y,
+            self.dimension_numbers,
+            precision=precision,
+            preferred_element_type=_F32,
+            **sharding,
         )
         return out if self.permutation is None else jnp.transpose(out, self.permutation)
 
@@ -375,10 +384,15 @@ class Transposed(Op):
     role: str
     like: Array
 
-    def __call__(self, lhs: Array, rhs: Array, *extras: Array) -> Array:
+    def __call__(
+        self, lhs: Array, rhs: Array, *extras: Array, precision: Any = None
+    ) -> Array:
+        def f(a: Array, b: Array) -> Array:
+            return self.of(a, b, *extras, precision=precision)
+
         if self.role == "dx":
-            return jax.vjp(lambda a: self.of(a, rhs, *extras), self.like)[1](lhs)[0]
-        return jax.vjp(lambda b: self.of(lhs, b, *extras), self.like)[1](rhs)[0]
+            return jax.vjp(lambda a: f(a, rhs), self.like)[1](lhs)[0]
+        return jax.vjp(lambda b: f(lhs, b), self.like)[1](rhs)[0]
 
     def operands(self) -> tuple[Operand, Operand]:
         return self.of.transposed_operands(self.role)
@@ -397,7 +411,9 @@ class Conv(Op):
     dimension_numbers: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
     feature_group_count: int
 
-    def __call__(self, a: Array, b: Array, *extras: Array) -> Array:
+    def __call__(
+        self, a: Array, b: Array, *extras: Array, precision: Any = None
+    ) -> Array:
         return jax.lax.conv_general_dilated(
             a,
             b,
@@ -407,6 +423,7 @@ class Conv(Op):
             rhs_dilation=self.rhs_dilation,
             dimension_numbers=jax.lax.ConvDimensionNumbers(*self.dimension_numbers),
             feature_group_count=self.feature_group_count,
+            precision=precision,
             preferred_element_type=_F32,
         )
 

@@ -41,11 +41,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
+from .._rules._encoded import LowPrecision
 from .._rules.blocks import BlockQuantizer
 from . import ops
 from .hadamard import random_signs, rotate
 from .ops import Op, Operand, flatten, unflatten
 from .recipes import Product
+
+_DEFAULT, _HIGHEST = jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST
 
 
 def operand_keys(key: PRNGKeyArray) -> tuple[Array, Array, Array]:
@@ -130,7 +133,39 @@ def evaluate(
     where = Where(op.name, role)
     q_lhs = quantise(spec.lhs, lhs, geometry[0], keys[0], extras, names, where)
     q_rhs = quantise(spec.rhs, rhs, geometry[1], keys[1], extras, names, where)
-    return op(q_lhs, q_rhs, *extras)
+    return contract(op, q_lhs, q_rhs, extras)
+
+
+class Quantised(NamedTuple):
+    """An operand as a product takes it: `value` times `scale` (a float32 scalar,
+    or `None` for 1); with `exact`, `value` is exactly representable in bfloat16
+    (`LowPrecision.payload`)."""
+
+    value: Array
+    scale: Array | None = None
+    exact: bool = False
+
+    def dequantised(self) -> Array:
+        return self.value if self.scale is None else self.value * self.scale
+
+
+def contract(op: Op, a: Quantised, b: Quantised, extras: tuple[Array, ...]) -> Array:
+    """`op` on two quantised operands, exact whatever the backend's default matmul
+    precision, which it always names. Where both operands are exact in bfloat16
+    (`Quantised.exact`), at `Precision.DEFAULT`: a GPU's TF32, a TPU's bfloat16
+    pass and a CPU's float32 all hold such values exactly, so every product is
+    exact and the float32 accumulation the only rounding, at the backend's
+    fastest float32 precision; the tensor scales multiply the output. Otherwise
+    at `Precision.HIGHEST`. (Operands cast to bfloat16 would take a GPU's bfloat16
+    tensor cores, but XLA's CPU cannot compute every layout of a bfloat16 product
+    with a float32 result.)"""
+    if a.exact and b.exact:
+        out = op(a.value, b.value, *extras, precision=_DEFAULT)
+        scales = [s for s in (a.scale, b.scale) if s is not None]
+        if scales:
+            out = out * (scales[0] if len(scales) == 1 else scales[0] * scales[1])
+        return out
+    return op(a.dequantised(), b.dequantised(), *extras, precision=_HIGHEST)
 
 
 def _rotated(v: Array, operand: Operand, key: Any, n: int) -> Array:
@@ -183,19 +218,40 @@ def quantise(
     extras: tuple[Array, ...],
     names: tuple[Hashable, ...],
     where: Where,
-) -> Array:
+) -> Quantised:
     """`v` quantised by `q` as one operand (`operand`) of a product."""
     if q is None:
-        return v
+        return Quantised(v)
     q = spanning(q, names)
-    if operand.independent:
-        return _slices(q, v, operand, key, where)
-    if operand.segmented is not None:
-        return _segments(q, v, operand, key, extras[0], where)
-    return along(q, v, operand, key, where)
+    if operand.independent or operand.segmented is not None:
+        value, scale = (
+            _slices(q, v, operand, key, where)
+            if operand.independent
+            else _segments(q, v, operand, key, extras[0], where)
+        )
+        if scale is None:
+            return Quantised(value, None, _exact(q))
+        # A scale per slice or segment: in the values, which float32 then holds.
+        return Quantised(value * scale, None, False)
+    return Quantised(*along(q, v, operand, key, where), _exact(q))
 
 
-def along(q: Any, v: Array, operand: Operand, key: Any, where: Where) -> Array:
+def _exact(q: Any) -> bool:
+    """Whether `q`'s payload is exact in bfloat16 (`LowPrecision.payload`)."""
+    return isinstance(q, LowPrecision) and getattr(q, "exact_payload", True)
+
+
+def _parts(q: Any, v: Array, key: Any) -> tuple[Array, Array | None]:
+    """`(payload, tensor scale)` of `q` at `v` for a `LowPrecision` quantiser,
+    else `(q(v), None)`."""
+    if isinstance(q, LowPrecision):
+        return q.payload(q.encode(v, key=key), v)
+    return q(v, key=key), None
+
+
+def along(
+    q: Any, v: Array, operand: Operand, key: Any, where: Where
+) -> tuple[Array, Array | None]:
     """`v` quantised by `q`, a block quantiser's blocks along `operand.blocked`
     (flattened, padded with zeros at the end to a multiple of the block, the
     padding sliced off), or square over the blocked and paired dimensions (each
@@ -203,17 +259,19 @@ def along(q: Any, v: Array, operand: Operand, key: Any, where: Where) -> Array:
     whole."""
     described = where.of(v)
     if not isinstance(q, BlockQuantizer):
-        return q(v, key=key)
+        return _parts(q, v, key)
     if isinstance(q.axis, tuple):
         return _square(q, v, operand, key, where)
     dims = operand.blocked
     if len(dims) == 1 and v.shape[dims[0]] % q.block_size == 0:
-        return q.for_reduction_axis(dims[0], v.shape[dims[0]], described)(v, key=key)
+        fitted = q.for_reduction_axis(dims[0], v.shape[dims[0]], described)
+        return _parts(fitted, v, key)
     flat = flatten(v, dims)
     n = flat.shape[0]
     padded = pad(flat, q.block_size)
     fitted = q.for_reduction_axis(0, padded.shape[0], described)
-    return unflatten(fitted(padded, key=key)[:n], dims, v.shape)
+    value, scale = _parts(fitted, padded, key)
+    return unflatten(value[:n], dims, v.shape), scale
 
 
 def _square(q: BlockQuantizer, v: Array, operand: Operand, key: Any, where: Where):
@@ -231,8 +289,8 @@ def _square(q: BlockQuantizer, v: Array, operand: Operand, key: Any, where: Wher
     padded = ops.pad_axis(v, axes[0], q.block_size)
     padded = ops.pad_axis(padded, axes[1], q.block_size)
     fitted = q if q.axis == axes else dataclasses.replace(q, axis=axes)
-    out = fitted(padded, key=key)
-    return jax.lax.slice(out, (0,) * v.ndim, v.shape)
+    value, scale = _parts(fitted, padded, key)
+    return jax.lax.slice(value, (0,) * v.ndim, v.shape), scale
 
 
 def _without(operand: Operand, dim: int) -> Operand:
@@ -253,23 +311,37 @@ def _keys(key: Any, n: int) -> Any:
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
 
 
-def _slices(q: Any, v: Array, operand: Operand, key: Any, where: Where) -> Array:
-    """Each index of the first independent dimension its own tensor."""
+def _slices(
+    q: Any, v: Array, operand: Operand, key: Any, where: Where
+) -> tuple[Array, Array | None]:
+    """Each index of the first independent dimension its own tensor: the values,
+    and the tensor scales (one per index, shaped to broadcast along that
+    dimension) or `None`."""
     dim = operand.independent[0]
     inner = _without(operand, dim)
     keys = _keys(key, v.shape[dim])
 
-    def one(slice_: Array, k: Any) -> Array:
-        return quantise(q, slice_, inner, k, (), (), where)
+    def one(slice_: Array, k: Any) -> tuple[Array, Array | None]:
+        if inner.independent:
+            return _slices(q, slice_, inner, k, where)
+        return along(q, slice_, inner, k, where)
 
-    return jax.vmap(one, in_axes=(dim, 0 if keys is not None else None), out_axes=dim)(
-        v, keys
-    )
+    in_axes = (dim, 0 if keys is not None else None)
+    value, scale = jax.vmap(one, in_axes=in_axes, out_axes=(dim, 0))(v, keys)
+    return value, _along_dim(scale, dim, v.ndim)
+
+
+def _along_dim(scale: Array | None, dim: int, ndim: int) -> Array | None:
+    """Scales, one per index of `dim`, shaped to broadcast against an array of
+    `ndim` dimensions."""
+    if scale is None:
+        return None
+    return jnp.reshape(scale, (1,) * dim + (-1,) + (1,) * (ndim - dim - 1))
 
 
 def _segments(
     q: Any, v: Array, operand: Operand, key: Any, sizes: Array, where: Where
-) -> Array:
+) -> tuple[Array, Array | None]:
     """Each segment of rows along `operand.segmented` (consecutive, of lengths
     `sizes`) its own tensor: laid out from row 0 and padded with zeros to a
     multiple of the block (where the blocks run along the rows), quantised, and
@@ -285,8 +357,16 @@ def _segments(
     )
     keys = _keys(key, sizes.shape[0])
 
-    def one(rows: Array, k: Any) -> Array:
+    def one(rows: Array, k: Any) -> tuple[Array, Array | None]:
         return along(q, rows, inner, k, where)
 
-    quantised = jax.vmap(one, in_axes=(0, 0 if keys is not None else None))(per, keys)
-    return back(quantised)
+    in_axes = (0, 0 if keys is not None else None)
+    value, scale = jax.vmap(one, in_axes=in_axes)(per, keys)
+    if scale is None:
+        return back(value), None
+    # Each row its group's scale, shaped to broadcast against the rows.
+    rows_shape = (*value.shape[:2], *(1,) * (value.ndim - 2))
+    per_row = jnp.broadcast_to(
+        jnp.reshape(scale, (-1,) + (1,) * (value.ndim - 1)), rows_shape
+    )
+    return back(value), back(per_row)

@@ -32,9 +32,11 @@ class RaggedDot(Op):
     role: str = "fwd"
     like: Array | None = None
 
-    def __call__(self, a: Array, b: Array, *extras: Array) -> Array:
+    def __call__(
+        self, a: Array, b: Array, *extras: Array, precision: Any = None
+    ) -> Array:
         (group_sizes,) = extras
-        return contraction(self.role)(a, b, group_sizes, self.like)
+        return contraction(self.role, precision)(a, b, group_sizes, self.like)
 
     def operands(self) -> tuple[Operand, Operand]:
         if self.role == "fwd":
@@ -75,23 +77,27 @@ class RaggedDot(Op):
         return Join(self, frozenset("ay"), _fold, _unfold, _joined_sizes)
 
 
-def _contract(role: str, lhs: Array, rhs: Array, sizes: Array, like: Any) -> Array:
+def _contract(
+    role: str, precision: Any, lhs: Array, rhs: Array, sizes: Array, like: Any
+) -> Array:
     """Product `role` of `lax.ragged_dot` on one problem, as `lax` computes it (its
     transposes are `lax`'s own, taken at `like`, the primal whose cotangent the
     product gives)."""
 
     def forward(a: Array, b: Array) -> Array:
-        return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=_F32)
+        return jax.lax.ragged_dot(
+            a, b, sizes, precision=precision, preferred_element_type=_F32
+        )
 
     if role == "fwd":
         return forward(lhs, rhs)
-    if role == "dx":
-        return jax.vjp(lambda a: forward(a, rhs), like)[1](lhs)[0]
+    if role == "dx":  # ȳ_i b_iᵀ: a ragged product itself (`lax`'s transpose)
+        return forward(lhs, jnp.swapaxes(rhs, 1, 2))
     return jax.vjp(lambda b: forward(lhs, b), like)[1](rhs)[0]
 
 
 @ft.cache
-def contraction(role: str) -> Any:
+def contraction(role: str, precision: Any = None) -> Any:
     """`_contract(role, ...)` with a batching rule: a batch of ragged products is
     one, its rows reordered. With one `b` for the batch (fwd, dx), group `i` takes
     every example's rows of group `i`; otherwise (a `b` per example, or the weight
@@ -99,7 +105,7 @@ def contraction(role: str) -> Any:
 
     @custom_vmap
     def run(lhs: Array, rhs: Array, sizes: Array, like: Any) -> Array:
-        return _contract(role, lhs, rhs, sizes, like)
+        return _contract(role, precision, lhs, rhs, sizes, like)
 
     @run.def_vmap
     def rule(size: int, in_batched: Any, lhs, rhs, sizes, like):
