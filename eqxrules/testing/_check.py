@@ -17,6 +17,7 @@ checks that need it (`_programs`).
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import time
 import warnings
@@ -33,7 +34,8 @@ from ._checks import (
     _Raised,
 )
 from ._compare import DEFAULT_TOLERANCES as DEFAULT_TOLERANCES, _Failure
-from ._problem import _is_reverse_only_error, _Problem
+from ._options import _is_reverse_only_error
+from ._problem import _Problem, TangentSpace
 from ._report import (
     CheckResult as CheckResult,
     RuleCheckError as RuleCheckError,
@@ -52,10 +54,55 @@ def _check_signature(name: str, f: Callable[..., Any], args: tuple[Any, ...]) ->
     try:
         sig.bind(*args)
     except TypeError as e:
+        what = (
+            "must take the arguments given after it"
+            if name == "fn"
+            else "must take the same arguments as `fn`"
+        )
         raise TypeError(
-            f"`check_rule`: `{name}` must take the same arguments as `fn` "
-            f"({len(args)} positional), but binding them failed: {e}"
+            f"`check_rule`: `{name}` {what} ({len(args)} positional: `*args`), but "
+            f"binding them to its signature `{sig}` failed: {e}"
         ) from None
+
+
+def _check_tangent_space(tangent_space: Any, n: int) -> TangentSpace:
+    if tangent_space is None or callable(tangent_space):
+        return tangent_space
+    if isinstance(tangent_space, (list, tuple)):
+        if len(tangent_space) != n:
+            raise ValueError(
+                f"`check_rule`: `tangent_space` gives {len(tangent_space)} "
+                f"projection(s) but there are {n} argument(s): give one per "
+                "argument (`None` for an unconstrained one), or one function for all."
+            )
+        bad = [s for s in tangent_space if s is not None and not callable(s)]
+        if not bad:
+            return tuple(tangent_space)
+    raise TypeError(
+        "`check_rule`: `tangent_space` must be a function (a projection onto the "
+        "arguments' tangent space) or a tuple of one such function or `None` per "
+        f"argument, not {type(tangent_space).__name__} (={tangent_space!r})."
+    )
+
+
+def _check_scales(scales: Any) -> tuple[float, ...]:
+    if isinstance(scales, (str, bytes)) or not isinstance(scales, Collection):
+        raise TypeError(
+            "`check_rule`: `cotangent_scales` must be a tuple of positive numbers, "
+            f"not {type(scales).__name__} (={scales!r})."
+        )
+    for s in scales:
+        if isinstance(s, bool) or not isinstance(s, numbers.Real):
+            raise TypeError(
+                "`check_rule`: `cotangent_scales` must hold numbers, but holds "
+                f"{s!r} of type {type(s).__name__}."
+            )
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(
+                f"`check_rule`: `cotangent_scales` (={tuple(scales)!r}) must hold "
+                f"finite positive numbers, not {s!r}."
+            )
+    return tuple(float(s) for s in scales)
 
 
 def _check_names(name: str, value: Any) -> frozenset[str]:
@@ -192,6 +239,7 @@ def _run(
     atol: float | None,
     options: _Options,
     selected: frozenset[str],
+    tangent_space: TangentSpace,
 ) -> RuleReport:
     start = time.perf_counter()
     try:
@@ -205,6 +253,7 @@ def _run(
             rtol,
             atol,
             options.modes,
+            tangent_space,
         )
     except TypeError as e:
         if "nothing to differentiate" in str(e):
@@ -258,6 +307,8 @@ def check_rule(
     checks: Sequence[str] | None = None,
     skip: Sequence[str] | None = None,
     where_reference_nan: str = "nan",
+    cotangent_scales: Sequence[float] = (1e-3, 1.0, 1e3),
+    tangent_space: TangentSpace = None,
 ) -> RuleReport:
     r"""Check a custom derivative rule against references, one check at a time.
 
@@ -321,6 +372,20 @@ def check_rule(
         the reference's own VJP of it does. For inputs where a reference's formula
         breaks down though the rule need not (a norm's derivative at a slice
         holding inf): [`eqxrules.verify_rule`][] checks its degenerate slices so.
+    - `cotangent_scales`: the `vjp` check compares the rule's cotangents with the
+        reference's for the random cotangent times each of these (the absolute
+        tolerance scaled alike): a backward pass that is not linear in its
+        cotangent (a clipped gradient) is then tried on both sides of its
+        thresholds, and any other for overflow and underflow. Include a scale
+        that crosses your rule's own thresholds (`4 * max_norm`, say).
+    - `tangent_space`: for arguments confined to a subspace (a symmetric matrix,
+        a probability vector), a function projecting a tangent of the argument
+        onto that subspace, orthogonally (linear, idempotent and self-adjoint:
+        `lambda t: (t + t.T) / 2`, `lambda t: t - t.mean(-1, keepdims=True)`), or
+        a tuple of one such function (or `None`) per argument. Every random
+        tangent and finite-difference direction is projected, and so is every
+        cotangent before it is compared: a cotangent is defined only up to the
+        directions the argument cannot move in.
 
     **Returns:**
 
@@ -339,10 +404,10 @@ def check_rule(
     reverse-mode checks with that cause named, not JAX's bare error.
     `ValueError` or `TypeError` for arguments of the wrong value or type.
     """
+    _check_signature("fn", fn, args)
     for name, ref in (("forward", forward), ("derivative", derivative)):
         if ref is not None:
             _check_signature(name, ref, args)
-    _check_signature("fn", fn, args)
     bad_modes = set(modes) - {"fwd", "rev"}
     if bad_modes or not modes:
         raise ValueError(
@@ -360,6 +425,8 @@ def check_rule(
             f"`check_rule`: `where_reference_nan` (={where_reference_nan!r}) must be "
             "'nan' (the rule is NaN where a reference is) or 'any' (unchecked there)."
         )
+    scales = _check_scales(cotangent_scales)
+    tangent_space = _check_tangent_space(tangent_space, len(args))
     if finite_differences is None:
         finite_differences = derivative is None and reference_vjp is None
     options = _Options(
@@ -368,6 +435,7 @@ def check_rule(
         num_directions=num_directions,
         order=int(order),
         unchecked_nan=where_reference_nan == "any",
+        cotangent_scales=scales,
     )
 
     # Warnings raised while checking are the rule's (the checker's own arithmetic
@@ -385,6 +453,7 @@ def check_rule(
             atol,
             options,
             selected,
+            tangent_space,
         )
     seen: dict[tuple[Any, ...], warnings.WarningMessage] = {}
     for w in caught:

@@ -35,8 +35,10 @@ from ._finite_differences import (
     _check_finite_differences,
     _float_or_none,
 )
+from ._groups import _Group
+from ._host import _device, _random_like, _scaled, _zeros_like
 from ._options import _Options as _Options, _Raised as _Raised, _where
-from ._problem import _device, _Group, _Problem, _random_like, _zeros_like
+from ._problem import _Problem
 
 _BATCH = 3
 
@@ -52,7 +54,7 @@ def _check_jvp(p: _Problem, o: _Options) -> dict[str, Any] | str:
 
 
 def _check_linearity(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    t2 = _random_like(p.rng("t2"), p.diff)
+    t2 = p.tangent(p.rng("t2"))
     combo = _device(jtu.tree_map(_host_combination, p.t, t2))
     j1, j2, j12 = p.rule_jvp, p.jvp_jit(p.diff, t2), p.jvp_jit(p.diff, combo)
     expected = jtu.tree_map(lambda a, b, c: _linear_expected(a, b, c)[0], j1, j2, j12)
@@ -61,9 +63,28 @@ def _check_linearity(p: _Problem, o: _Options) -> dict[str, Any] | str:
 
 
 def _check_vjp(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    return p.compare_args(
-        p.rule_vjp, p.reference_vjp_value, check_dtype=False, reference=True
+    figures = p.compare_args(
+        p.project(p.rule_vjp),
+        p.project(p.reference_vjp_value),
+        check_dtype=False,
+        reference=True,
     )
+    # The cotangent scaled up and down (and past any threshold the caller names):
+    # a backward pass that is not linear in it (a clipped gradient) is checked on
+    # both sides of its thresholds, and any other for overflow and underflow.
+    for scale in o.cotangent_scales:
+        if scale == 1.0:
+            continue
+        ct = _scaled(p.ct, scale)
+        with _where(f"with the cotangent times {scale:g}"):
+            p.compare_args(
+                p.project(p.vjp_jit(p.diff, ct)),
+                p.project(p.reference_vjp_jit(p.diff, ct)),
+                check_dtype=False,
+                reference=True,
+                atol_scale=scale,
+            )
+    return figures
 
 
 def _check_transpose(p: _Problem, o: _Options) -> dict[str, Any] | str:
@@ -74,7 +95,11 @@ def _check_transpose(p: _Problem, o: _Options) -> dict[str, Any] | str:
         lhs, s1, rhs, s2, path="<ct, J t> vs <J^T ct, t>", rtol=r, atol=a
     )
     if holds is None:
-        return f"<ct, J t> = {lhs} and <J^T ct, t> = {rhs}: nothing to compare"
+        raise _Failure(
+            f"nothing compared: <ct, J t> = {lhs} and <J^T ct, t> = {rhs}, neither "
+            "finite, so the identity would hold whatever the rule gave",
+            **figures,
+        )
     if not holds:
         raise _Failure(
             f"the rule's JVP and VJP are not transposes: <ct, J t> = {lhs:.6g} but "
@@ -136,8 +161,8 @@ def _check_held_fixed(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 full = p.reference_vjp_value if p.has_reference else p.rule_vjp
                 expected = group.get(full)
                 worst = p.compare_args(
-                    actual,
-                    expected,
+                    p.project(actual, group.path),
+                    p.project(expected, group.path),
                     at=group.path,
                     check_dtype=False,
                     reference=p.has_reference,
@@ -159,14 +184,14 @@ def _check_batching(p: _Problem, o: _Options) -> dict[str, Any] | str:
             jtu.tree_map(
                 lambda x, n: np.asarray(x) + (np.asarray(n) / 20).astype(x.dtype),
                 p.diff,
-                _random_like(rng, p.diff),
+                p.tangent(rng),  # a step within the arguments' tangent spaces
             )
         )
         for _ in range(1, _BATCH)
     ]
     cts = [p.ct] + [_random_like(rng, p.out_shape) for _ in range(1, _BATCH)]
     cts = [_drop_float0(c) for c in cts]
-    ts = [p.t] + [_random_like(rng, p.diff) for _ in range(1, _BATCH)]
+    ts = [p.t] + [p.tangent(rng) for _ in range(1, _BATCH)]
     D, CT, T = _stack(ds), _stack(cts), _stack(ts)
 
     def vjp(d: Any, ct: Any) -> Any:
@@ -248,6 +273,7 @@ def _check_zero_cotangent(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 index=index,
                 actual=value if isinstance(value, complex) else float(value),
                 expected=0.0,
+                max_rel_error=float("inf"),  # relative to 0
                 inputs={p.arg_name(path): _scalar(np.asarray(x)[index])},
             )
     return {}
@@ -288,19 +314,33 @@ def _check_dtype(p: _Problem, o: _Options) -> dict[str, Any] | str:
 
 
 def _check_second_order(p: _Problem, o: _Options) -> dict[str, Any] | str:
+    # A second derivative sums products of first and second derivatives, so in
+    # floating point it errs by a few ulps of the largest of them, not of its
+    # result (which cancellation can make small): as for `linearity`, the
+    # tolerance is relative to each leaf's largest value.
     worst: dict[str, Any] = {}
     if "fwd" in o.modes and p.forward_mode() is not False:
         expected = p.second_order_jit("reference_jvp_of_vjp")(p.diff, p.ct, p.t)
         with _where("JVP of VJP"):
             actual = p.second_order_jit("jvp_of_vjp")(p.diff, p.ct, p.t)
             worst = p.compare_args(
-                actual, expected, "jvp(vjp)({})", check_dtype=False, reference=True
+                p.project(actual),
+                p.project(expected),
+                "jvp(vjp)({})",
+                check_dtype=False,
+                reference=True,
+                leafwise=True,
             )
     expected = p.second_order_jit("reference_vjp_of_vjp")(p.diff, p.ct, p.u)
     with _where("VJP of VJP"):
         actual = p.second_order_jit("vjp_of_vjp")(p.diff, p.ct, p.u)
         figures = p.compare_args(
-            actual, expected, "vjp(vjp)({})", check_dtype=False, reference=True
+            p.project(actual),
+            p.project(expected),
+            "vjp(vjp)({})",
+            check_dtype=False,
+            reference=True,
+            leafwise=True,
         )
     return worst or figures
 

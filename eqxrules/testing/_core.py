@@ -14,22 +14,55 @@ each entry's kinks and degenerate slices reuse the first call's program.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
 from . import _programs
-
-if TYPE_CHECKING:
-    from ._problem import _Problem
+from ._options import _is_reverse_only_error
 
 
-def _is_reverse_only_error(e: BaseException) -> bool:
-    msg = str(e)
-    return (
-        "can't apply forward-mode autodiff" in msg
-        or "supports reverse mode only" in msg
-    )
+class _Source(Protocol):
+    """What the core reads of a `check_rule` problem (`_problem._Problem`): the
+    point, the random directions, the rule and its references as functions of the
+    differentiable leaves, and what is known of forward mode. The core knows the
+    problem through this only, so that the imports run one way: `_problem` builds
+    its parts from `_core`."""
+
+    diff: Any
+    t: Any
+    ct: Any
+    u: Any
+    options: Any
+    modes: tuple[str, ...]
+    forward: Callable[..., Any] | None
+    derivative: Callable[..., Any] | None
+    _forward_traceable: bool
+    _forward_mode: bool | None
+    _forward_error: BaseException | None
+    _core: Any
+    _core_names: frozenset[str]
+    _core_memo: tuple[tuple[Any, ...], Any] | None
+
+    @property
+    def forward_mode_known(self) -> bool: ...
+
+    @property
+    def has_reference(self) -> bool: ...
+
+    def f(self, d: Any) -> Any: ...
+
+    def g(self, d: Any) -> Any: ...
+
+    def forward_at(self, d: Any) -> Any: ...
+
+    def combine(self, d: Any) -> tuple[Any, ...]: ...
+
+    def jvp(self, d: Any, t: Any, fn: Callable[[Any], Any] | None = None) -> Any: ...
+
+    def vjp(self, d: Any, ct: Any, fn: Callable[[Any], Any] | None = None) -> Any: ...
+
+    def reference_cotangent(self, d: Any, ct: Any) -> Any: ...
 
 
 Parts = dict[str, Callable[[Any, Any, Any, Any], Any]]
@@ -61,7 +94,7 @@ def needed(selected: frozenset[str]) -> frozenset[str]:
     return frozenset().union(*(_NEEDS.get(name, frozenset()) for name in selected))
 
 
-def parts(p: _Problem, forward: bool) -> Parts:
+def parts(p: _Source, forward: bool) -> Parts:
     """The core's parts, by name, each a function of `(d, t, ct, u)`: the point,
     a tangent, a cotangent and (for the VJP of the VJP) a second cotangent. Only
     those a selected check reads."""
@@ -70,7 +103,7 @@ def parts(p: _Problem, forward: bool) -> Parts:
     return {name: fn for name, fn in _parts(p, forward).items() if name in wanted}
 
 
-def _parts(p: _Problem, forward: bool) -> Parts:
+def _parts(p: _Source, forward: bool) -> Parts:
     out: Parts = {"out": lambda d, t, ct, u: p.f(d)}
     if p.forward is not None and p._forward_traceable:
         out["forward"] = lambda d, t, ct, u: p.forward_at(d)
@@ -97,7 +130,7 @@ def _parts(p: _Problem, forward: bool) -> Parts:
     return out
 
 
-def _reference(p: _Problem) -> Callable[[Any, Any], Any]:
+def _reference(p: _Source) -> Callable[[Any, Any], Any]:
     """What the rule's VJP is differentiated against for second derivatives: the
     reference's cotangent, or else (a true derivative) the VJP of `forward`."""
     if p.has_reference:
@@ -107,7 +140,7 @@ def _reference(p: _Problem) -> Callable[[Any, Any], Any]:
     return lambda d, ct: p.vjp(d, ct, lambda d: forward(*p.combine(d)))
 
 
-def second_order(p: _Problem, part: str) -> Callable[..., Any]:
+def second_order(p: _Source, part: str) -> Callable[..., Any]:
     """`part` of the second derivatives: `jvp_of_vjp` or `vjp_of_vjp` of the rule
     (or `reference_` them), called as `(d, ct, t)` or `(d, ct, u)`."""
     name = part.removeprefix("reference_")
@@ -123,7 +156,7 @@ def _second(fn: Callable[[Any, Any, Any], Any], name: str) -> Callable[..., Any]
     return lambda d, t, ct, u: fn(d, ct, u)
 
 
-def program(p: _Problem, forward: bool) -> _programs.Program:
+def program(p: _Source, forward: bool) -> _programs.Program:
     """The core with or without its forward-mode parts, lowered at the point."""
     named = parts(p, forward)
     core = _programs.jit(
@@ -134,7 +167,7 @@ def program(p: _Problem, forward: bool) -> _programs.Program:
     return core
 
 
-def build(p: _Problem) -> _programs.Program | None:
+def build(p: _Source) -> _programs.Program | None:
     """The problem's core, or `None` where it cannot be built: the parts are then
     their own programs (as they are once it has raised), so that a rule raising
     in one part fails only the checks that use it. Building it finds out whether
@@ -188,7 +221,7 @@ class _Part:
 
     def __init__(
         self,
-        p: _Problem,
+        p: _Source,
         name: str,
         fn: Callable[..., Any],
         second: str = "",
@@ -214,10 +247,19 @@ class _Part:
         p = self.p
         core = p._core
         if core is not None and self.name in p._core_names:
+            arguments = self._arguments(args)
+            memo = p._core_memo
+            # The parts at the same arguments (a VJP and its reference, at one
+            # cotangent) come from one run of the core.
+            if memo is not None and all(a is b for a, b in zip(memo[0], arguments)):
+                return memo[1][self.name]
             try:
-                return core(*self._arguments(args))[self.name]
+                out = core(*arguments)
             except Exception:
                 p._core = None  # raised: every part on its own from now on
+            else:
+                p._core_memo = (arguments, out)
+                return out[self.name]
         if self._alone is None:
             if self.second:
                 self._alone = _programs.jit(
