@@ -35,7 +35,7 @@ from ._checks import (
 )
 from ._compare import DEFAULT_TOLERANCES as DEFAULT_TOLERANCES, _Failure
 from ._options import _is_reverse_only_error
-from ._problem import _Problem, TangentSpace
+from ._problem import TangentSpace, _Problem
 from ._report import (
     CheckResult as CheckResult,
     RuleCheckError as RuleCheckError,

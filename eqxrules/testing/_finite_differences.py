@@ -93,7 +93,9 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
             if together is None:
                 plus, minus = f(d, v, step), f(d, v, -step)
             fd = jtu.tree_map(
-                lambda a, b: _difference(a, b, eps) if eqx.is_inexact_array(a) else None,
+                lambda a, b: (
+                    _difference(a, b, eps) if eqx.is_inexact_array(a) else None
+                ),
                 plus,
                 minus,
             )
