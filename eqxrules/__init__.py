@@ -31,6 +31,12 @@ from ._lowp.layer import (
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._rules.blocks import BlockQuantizer as BlockQuantizer
 from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
+from ._structured import (
+    Integers as Integers,
+    PositiveDefinite as PositiveDefinite,
+    Simplex as Simplex,
+    Symmetric as Symmetric,
+)
 from ._tangents import partial_jvp as partial_jvp
 from ._verify import (
     RuleVerification as RuleVerification,
@@ -47,10 +53,12 @@ __all__ = [
     "ElementwiseRule",
     "Entry",
     "Inputs",
+    "Integers",
     "JVPRule",
     "Keyed",
     "Mask",
     "NonNegativeSignInputWarning",
+    "PositiveDefinite",
     "PytreeRule",
     "Quantized",
     "QuantizedConv",
@@ -58,6 +66,8 @@ __all__ = [
     "Rule",
     "RuleVerification",
     "RuleVerificationError",
+    "Simplex",
+    "Symmetric",
     "VJPRule",
     "calibrate",
     "catalogue",

@@ -172,6 +172,24 @@ class Rule(eqx.Module):
         overrides it, and the test matrix then checks the claim."""
         return self.is_exact()
 
+    def second_order(self) -> bool:
+        """Whether this instance's derivative is differentiable, its second
+        derivatives those of its references (the JVP and the VJP of its VJP,
+        along a fixed cotangent: `check_rule(order=2)`), off its kinks, where
+        `verify_rule` and `python -m eqxrules` check them. Defaults to `True`. A
+        rule whose derivative is not differentiable (computed by a quantised
+        product, say) returns `False`, and its second order is reported
+        unsupported ("n/a"); the catalogue's tests keep each declaration true
+        both ways. (Weaker than `higher_order()`, which claims every order for
+        any loss.)"""
+        return True
+
+    def cotangent_thresholds(self) -> tuple[float, ...]:
+        """Where this instance's backward pass changes with the size of the
+        cotangent (a clipping level): the checks scale the random cotangent past
+        each, four times over, as well as by `1e-3` and `1e3`. None by default."""
+        return ()
+
     @classmethod
     def rule_name(cls) -> str:
         """The name errors give: the functional form's, else the class's."""

@@ -354,7 +354,9 @@ class Entry:
         # reports name them as the signatures do: `m`, then `x` or each input's.
         several = isinstance(x, Args)
         args = tuple(x) if several else (x,)
-        names = rule.input_domain().names if several else ("x",)
+        # One input is named as `primal` names it (`A`), `x` where it says not.
+        own = primal_arity(type(rule)) or ("x",)
+        names = rule.input_domain().names if several else own[:1]
         params = [
             inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
             for n in ("m", *names)

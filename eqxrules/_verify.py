@@ -20,24 +20,30 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PRNGKeyArray
 
 from ._catalogue import Entry, Rule
+from ._domain import Args, Domain, Inputs, _magnitudes
 from ._registry import entry_of, missing_parts
 from .testing import CHECKS, RuleReport, check_rule
+from .testing._reuse import reusing
 
 
 @dataclasses.dataclass
 class EntryResult:
     """The reports of every check of one entry, and a status per check: `"passed"`
     if it passed somewhere and failed nowhere, `"failed"` if it failed anywhere,
-    else `"unsupported"` or `"skipped"`."""
+    else `"unsupported"` or `"skipped"`. `skipped`: the inputs (and checks at an
+    input) not judged, in words, because the references are finite nowhere
+    there: outside the rule's domain."""
 
     entry: Entry
     reports: list[RuleReport]
     seconds: float
     labels: list[str] = dataclasses.field(default_factory=list)  # one per report
     examples: list[Any] = dataclasses.field(default_factory=list)  # those checked
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -65,8 +71,8 @@ class EntryResult:
 
     def failures(self) -> list[str]:
         lines = [
-            result.describe()
-            for report in self.reports
+            f"{label}: {result.describe()}"
+            for label, report in zip(self.labels, self.reports, strict=True)
             for result in report.results
             if result.status == "failed"
         ]
@@ -94,6 +100,65 @@ def combined_status(reports: list[RuleReport], check: str) -> str:
 # checked once per example (at its first input holding kinks).
 VALUE_CHECKS = ("primal", "jvp", "vjp")
 
+_NOT_DIFFERENTIABLE = (
+    "the rule declares its derivative not differentiable (`second_order()` is "
+    "False), so it has no second derivative to check"
+)
+
+
+def cotangent_scales(rule: Any) -> tuple[float, ...]:
+    """The scales the `vjp` check multiplies its random cotangent by for `rule`:
+    `1e-3`, `1` and `1e3`, and four times each of the rule's
+    `cotangent_thresholds()` (a clipping level), so that its backward pass is
+    tried on both sides of every one."""
+    crossing = [4 * abs(float(t)) for t in rule.cotangent_thresholds()]
+    crossing = [s for s in crossing if math.isfinite(s) and s > 0]
+    return tuple(sorted({1e-3, 1.0, 1e3, *crossing}))
+
+
+def _tangent_space(domain: Any, several: bool) -> tuple[Any, ...] | None:
+    """`check_rule`'s `tangent_space` for `(m, *inputs)`: each input's domain's
+    projection, where it has one of its own (the rule Module's fields move
+    freely)."""
+    domains = domain.domains if several else (domain,)
+    spaces = [None if type(d).project is Domain.project else d.project for d in domains]
+    return (None, *spaces) if any(spaces) else None
+
+
+def _moderate(x: Any) -> bool:
+    """Whether every floating-point element of `x` is finite and at most the
+    dtype's `big` extreme in magnitude (`Domain.extremes`)."""
+    for leaf in jax.tree_util.tree_leaves(x):
+        if not eqx.is_inexact_array(leaf):
+            continue
+        a = np.asarray(leaf, np.float64)
+        if not (
+            np.all(np.isfinite(a)) and np.all(np.abs(a) <= _magnitudes(leaf.dtype)[0])
+        ):
+            return False
+    return True
+
+
+def _outside(report: RuleReport, what: str) -> str | None:
+    """At a degenerate or extreme input, a check that compared nothing met a
+    reference finite nowhere there: the input (or, for a derivative, the
+    derivative there) is outside the references' domain and cannot be judged.
+    Such checks are relabelled "skipped", saying so; returns what was skipped,
+    in words, or `None`."""
+    nothing = [r for r in report.results if r.status == "failed" and r.compared == 0]
+    if not nothing:
+        return None
+    if report["primal"] in nothing:
+        nothing = [r for r in report.results if r.status in ("failed", "passed")]
+        why = "the reference value is finite nowhere there"
+    else:
+        why = "the reference derivative is finite nowhere there"
+    for r in nothing:
+        r.status, r.detail = "skipped", f"outside the rule's domain: {why}"
+        r.exception = None
+    checks = ", ".join(f"`{r.name}`" for r in nothing)
+    return f"{what}: {checks} skipped, outside the rule's domain ({why})"
+
 
 def verify(
     entry: Entry,
@@ -105,26 +170,36 @@ def verify(
     same key); never raises on a failing check.
 
     For each example `rule`, with `domain = rule.input_domain()`, `check_rule`
-    against the references:
+    against the references (cotangents scaled by `cotangent_scales(rule)`,
+    tangents in the domain's tangent space):
 
-    - at every kink: one input of `domain.shape` per `n` kinks (`n` elements per
-        input), from `domain.on_kinks`; the first with every check, the others
-        with those whose outcome depends on the input's values (`VALUE_CHECKS`:
-        the value, the JVP and the VJP);
+    - at every kink: one input per `n` kinks (`n` elements per input), from
+        `domain.on_kinks` (one random input for a rule without kinks); the first
+        with every check, the others with those whose outcome depends on the
+        input's values (`VALUE_CHECKS`: the value, the JVP and the VJP);
     - at each degenerate input of `domain.degenerate` (a zero, a constant and a
         non-finite slice), where a rule that reduces over an axis goes wrong and
         must still agree with its references (the value, the JVP and the VJP):
         finite where they are finite, NaN only where they are;
-    - for an example whose `is_exact()`, against finite differences off its
-        kinks."""
+    - at each extreme input of `domain.extremes` (the ends of the dtype's range,
+        `-inf`, a masked row) in the same way, and at second order where the
+        rule's derivative is differentiable (`rule.second_order()`). At a
+        degenerate or extreme input where a reference is finite nowhere, the
+        checks that compared nothing are skipped and `skipped` says so;
+    - off its kinks: for an example whose `is_exact()`, every check and finite
+        differences; for one whose `second_order()`, second order (the value
+        checks alongside)."""
     key = jax.random.key(0) if key is None else key
     k_examples, k_on, k_off, k_call, k_degenerate = jax.random.split(key, 5)
+    k_extreme = jax.random.fold_in(k_degenerate, 1)
     start = time.perf_counter()
-    reports = []
-    labels = []
+    reports: list[RuleReport] = []
+    labels: list[str] = []
+    skipped: list[str] = []
     examples = list(entry.examples(k_examples))
     if indices is not None:
         examples = [examples[i] for i in indices]
+    functions: dict[int, tuple[Any, Any, Any]] = {}
 
     def check(
         rule: Any,
@@ -133,47 +208,93 @@ def verify(
         finite_differences: bool,
         nan: str = "nan",
         checks: tuple[str, ...] | None = None,
-    ) -> None:
-        fn, args, refs = entry.check_arguments(rule, x, k_call)
-        labels.append(label)
-        reports.append(
-            check_rule(
-                fn,
-                *args,
-                **refs,
-                finite_differences=finite_differences,
-                raise_on_failure=False,
-                where_reference_nan=nan,
-                checks=checks,
-            )
-        )
-
-    for i, rule in zip(
-        range(len(examples)) if indices is None else indices, examples, strict=True
-    ):
+        order: int = 1,
+    ) -> RuleReport:
+        # The same functions for every input of an example, so that the checks
+        # at its later inputs reuse the program traced at its first (`reusing`).
+        if id(rule) not in functions:
+            fn, _, refs = entry.check_arguments(rule, x, k_call)
+            functions[id(rule)] = (rule, fn, refs)
+        _, fn, refs = functions[id(rule)]
+        args = (rule, *x) if isinstance(x, Args) else (rule, x)
         domain = rule.input_domain()
+        report = check_rule(
+            fn,
+            *args,
+            **refs,
+            finite_differences=finite_differences,
+            raise_on_failure=False,
+            where_reference_nan=nan,
+            checks=checks,
+            order=order,
+            cotangent_scales=cotangent_scales(rule),
+            tangent_space=_tangent_space(domain, isinstance(x, Args)),
+        )
+        if order == 1 or not rule.second_order():
+            result = report["second_order"]
+            if not rule.second_order() and result.detail != "not selected":
+                result.status, result.detail = "unsupported", _NOT_DIFFERENTIABLE
+        labels.append(label)
+        reports.append(report)
+        return report
+
+    def example(i: int, rule: Any) -> None:
+        name = f"example {i} ({rule!r})"
+        domain = rule.input_domain()
+        second = rule.second_order()
         on_kinks = domain.on_kinks(k_on)
-        size, n = math.prod(domain.shape), len(domain.kinks)
+        n = len(domain.kinks)
         for j, x in enumerate(on_kinks):
-            part = (
-                f" {j * size + 1} to {min(n, (j + 1) * size)} of {n}"
-                if len(on_kinks) > 1
-                else ""
-            )
             # The first input gets the whole battery; the others the checks whose
             # outcome depends on the input's values.
+            if not n:
+                where = "at a random input (it declares no kinks)"
+            elif len(on_kinks) == 1:
+                where = "at its kinks"
+            elif isinstance(domain, Inputs):  # each input holds its own
+                where = f"at its kinks (input {j + 1} of {len(on_kinks)} holding them)"
+            else:
+                size = math.prod(domain.shape)
+                last = min(n, (j + 1) * size)
+                where = f"at its kinks {j * size + 1} to {last} of {n}"
             checks = None if j == 0 else VALUE_CHECKS
-            label = f"example {i} ({rule!r}) at its kinks{part}"
-            check(rule, x, label, False, checks=checks)
+            check(rule, x, f"{name} {where}", False, checks=checks)
+        # Where a reference's own formula breaks down (NaN), the rule need not.
         for what, x in domain.degenerate(k_degenerate):
-            # Where a reference's own formula breaks down (NaN), the rule need not.
-            label = f"example {i} ({rule!r}) at {what}"
-            check(rule, x, label, False, "any", VALUE_CHECKS)
+            label = f"{name} at {what}"
+            note = _outside(check(rule, x, label, False, "any", VALUE_CHECKS), label)
+            skipped.extend([] if note is None else [note])
+        for what, x in domain.extremes(k_extreme):
+            label = f"{name} at {what}"
+            # Second order where a second derivative (a product of two) need not
+            # overflow: finite inputs no larger than `1e30` (for float32).
+            twice = second and _moderate(x)
+            at = (*VALUE_CHECKS, "second_order") if twice else VALUE_CHECKS
+            report = check(rule, x, label, False, "any", at, order=2 if twice else 1)
+            note = _outside(report, label)
+            skipped.extend([] if note is None else [note])
+        off_kinks = domain.sample(k_off, off_kinks=True)
+        label = f"{name} off its kinks"
         if rule.is_exact():
-            off_kinks = domain.sample(k_off, off_kinks=True)
-            check(rule, off_kinks, f"example {i} ({rule!r}) off its kinks", True)
+            check(rule, off_kinks, label, True)
+        if second:  # (the program of the extremes' second order, reused)
+            checks = (*VALUE_CHECKS, "second_order")
+            check(
+                rule,
+                off_kinks,
+                f"{label}, at second order",
+                False,
+                checks=checks,
+                order=2,
+            )
+
+    with reusing():
+        for i, rule in zip(
+            range(len(examples)) if indices is None else indices, examples, strict=True
+        ):
+            example(i, rule)
     seconds = time.perf_counter() - start
-    return EntryResult(entry, reports, seconds, labels, examples)
+    return EntryResult(entry, reports, seconds, labels, examples, skipped)
 
 
 @dataclasses.dataclass
@@ -189,6 +310,9 @@ class RuleVerification:
     - `seconds`: wall time.
     - `examples`: the example instances checked (none where the declaration is
         incomplete).
+    - `skipped`: the degenerate or extreme inputs (or the checks at one) not
+        judged because the references are finite nowhere there, in words: outside
+        the rule's domain.
     """
 
     rule: type
@@ -196,6 +320,7 @@ class RuleVerification:
     problems: list[str]
     seconds: float
     examples: list[Any] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -206,7 +331,15 @@ class RuleVerification:
         head = f"`{self.rule.__name__}`: "
         if self.passed:
             checked = len(self.reports)
-            return f"{head}passed ({checked} check_rule runs, {self.seconds:.1f} s)"
+            outside = (
+                f", {len(self.skipped)} skipped outside its domain"
+                if self.skipped
+                else ""
+            )
+            return (
+                f"{head}passed ({checked} check_rule runs{outside}, "
+                f"{self.seconds:.1f} s)"
+            )
         return (
             head
             + f"{len(self.problems)} problem(s)\n"
@@ -334,11 +467,13 @@ def verify_rule(
     ]
     reports: list[tuple[str, RuleReport]] = []
     examples: list[Any] = []
+    skipped: list[str] = []
     if not problems:
         entry = entry_of(rule)
         result = verify(entry, key)
         reports = list(zip(result.labels, result.reports))
         examples = list(result.examples)
+        skipped = list(result.skipped)
         problems += [
             f"{label}: {r.describe()}"
             for label, report in reports
@@ -359,7 +494,7 @@ def verify_rule(
             for i, m in enumerate(result.examples):
                 problems += [f"example {i}: {p}" for p in _keeps_dtype(entry, m, key)]
     verification = RuleVerification(
-        rule, reports, problems, time.perf_counter() - start, examples
+        rule, reports, problems, time.perf_counter() - start, examples, skipped
     )
     if raise_on_failure and problems:
         raise RuleVerificationError(verification)

@@ -44,11 +44,16 @@ def test_a_correct_rule_passes_and_stays_out_of_the_catalogue():
     before = eqxrules.catalogue()
     result = verify_rule(Scale)
     assert result.passed and result.problems == []
-    # Two examples, each at its kinks, at each degenerate input and (exact) off
-    # its kinks with finite differences.
+    # Two examples, each at a random input (no kinks), at each degenerate and
+    # extreme input, and off its kinks with finite differences (exact) and at
+    # second order.
     degenerate = len(Scale.domain.degenerate(jax.random.key(0)))
-    assert degenerate == 5
-    assert len(result.reports) == 2 * (1 + degenerate + 1)
+    extremes = len(Scale.domain.extremes(jax.random.key(0)))
+    assert (degenerate, extremes) == (5, 5)
+    assert len(result.reports) == 2 * (1 + degenerate + extremes + 2)
+    labels = [label for label, _ in result.reports]
+    assert labels[0] == "example 0 (Scale()) at a random input (it declares no kinks)"
+    assert not any("at its kinks" in label for label in labels)
     assert all(r.passed for _, r in result.reports)
     assert "passed" in str(result)
     assert eqxrules.catalogue() == before

@@ -314,35 +314,46 @@ def _check_dtype(p: _Problem, o: _Options) -> dict[str, Any] | str:
 
 
 def _check_second_order(p: _Problem, o: _Options) -> dict[str, Any] | str:
-    # A second derivative sums products of first and second derivatives, so in
-    # floating point it errs by a few ulps of the largest of them, not of its
-    # result (which cancellation can make small): as for `linearity`, the
-    # tolerance is relative to each leaf's largest value.
     worst: dict[str, Any] = {}
     if "fwd" in o.modes and p.forward_mode() is not False:
         expected = p.second_order_jit("reference_jvp_of_vjp")(p.diff, p.ct, p.t)
         with _where("JVP of VJP"):
             actual = p.second_order_jit("jvp_of_vjp")(p.diff, p.ct, p.t)
-            worst = p.compare_args(
-                p.project(actual),
-                p.project(expected),
-                "jvp(vjp)({})",
-                check_dtype=False,
-                reference=True,
-                leafwise=True,
-            )
+            worst = _compare_second(p, actual, expected, "jvp(vjp)({})")
     expected = p.second_order_jit("reference_vjp_of_vjp")(p.diff, p.ct, p.u)
     with _where("VJP of VJP"):
         actual = p.second_order_jit("vjp_of_vjp")(p.diff, p.ct, p.u)
-        figures = p.compare_args(
-            p.project(actual),
-            p.project(expected),
-            "vjp(vjp)({})",
-            check_dtype=False,
-            reference=True,
-            leafwise=True,
-        )
+        figures = _compare_second(p, actual, expected, "vjp(vjp)({})")
     return worst or figures
+
+
+def _compare_second(p: _Problem, actual: Any, expected: Any, name: str) -> Any:
+    """Second derivatives compared leaf by leaf, each element within `rtol` of the
+    leaf's largest second derivative or first-order cotangent, whichever is the
+    larger. A second derivative is the derivative of the VJP: it sums products of
+    the VJP's factors (of the size of the VJP itself, for the derivatives of order
+    one the catalogue's rules have) and their derivatives, and in floating point
+    errs by ulps of those products, not of its result, which cancellation can
+    make arbitrarily small (an even slope's derivative at 0: SignSwish's,
+    computed 1.2e-6 from 0 by its reference in float32 at x = 1e-30, beside a VJP
+    of about 10). A second derivative that is wrong (killed by a
+    `stop_gradient`, halved, NaN) is wrong by the size of the leaf's largest."""
+    expected, actual = p.project(expected), p.project(actual)
+    first = p.project(p.rule_vjp)
+    scale = jtu.tree_map(
+        lambda e, v: np.full(np.shape(e), max(_max_finite(e), _max_finite(v))),
+        expected,
+        first,
+    )
+    return p.compare_args(
+        actual, expected, name, check_dtype=False, reference=True, scale=scale
+    )
+
+
+def _max_finite(x: Any) -> float:
+    a = np.abs(np.asarray(x, np.float64))
+    finite = a[np.isfinite(a)]
+    return float(finite.max()) if finite.size else 0.0
 
 
 def _no_forward(p: _Problem, o: _Options) -> str | None:

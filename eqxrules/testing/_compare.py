@@ -119,7 +119,6 @@ def _compare(
     inputs: Inputs | None = None,
     unchecked_nan: bool = False,
     atol_scale: float = 1.0,
-    leafwise: bool = False,
 ) -> dict[str, Any]:
     """Fail (raise `_Failure`) unless every leaf agrees. Returns the figures: the
     leaf with the largest absolute error, and its worst element, and `compared`,
@@ -133,8 +132,7 @@ def _compare(
     Where `expected` is finite, `actual` must be too. A comparison that compares
     no element (none finite on both sides) fails: it would pass whatever the
     rule gave. `atol_scale` multiplies the absolute tolerance (for values scaled
-    by it); with `leafwise`, the relative tolerance is of each leaf's largest
-    finite `|expected|`, not of each element's (values that cancel)."""
+    by it)."""
     name = prefix if callable(prefix) else (lambda path: prefix + jtu.keystr(path))
     a_leaves, a_def = jtu.tree_flatten_with_path(actual, is_leaf=_is_none)
     e_leaves, e_def = jtu.tree_flatten_with_path(expected, is_leaf=_is_none)
@@ -180,17 +178,19 @@ def _compare(
         an = np.asarray(a).astype(wide)
         en = np.asarray(e).astype(an.dtype)
         sn = np.abs(en) if s is None else np.abs(np.asarray(s)).astype(np.float64)
-        if leafwise:
-            sn = np.full(sn.shape, _max_finite(en))
         a_nan, e_nan = np.isnan(an), np.isnan(en)
         mismatch = (a_nan & ~e_nan) if unchecked_nan else (a_nan != e_nan)
         if np.any(mismatch):
-            which = (
-                "NaN where the reference is finite"
-                if np.any(a_nan & ~e_nan)
-                else "finite where the reference is NaN"
-            )
-            flat = int(np.argmax(mismatch.reshape(-1)))
+            rule_nan = a_nan & ~e_nan
+            flat = int(np.argmax((rule_nan if np.any(rule_nan) else mismatch).ravel()))
+            there = en.reshape(-1)[flat]
+            if not np.any(rule_nan):
+                finite = np.isfinite(an.reshape(-1)[flat])
+                which = f"{'' if finite else 'in'}finite where the reference is NaN"
+            elif np.isfinite(there):
+                which = "NaN where the reference is finite"
+            else:
+                which = "NaN where the reference is infinite"
             element = _element(an, en, flat)
             raise _failure(
                 which, inputs, path, an.shape, path=where, rtol=r, atol=t, **element
@@ -249,12 +249,6 @@ def _compare(
             compared=0,
         )
     return {**worst, "compared": compared}
-
-
-def _max_finite(x: np.ndarray) -> float:
-    """The largest finite `|x|` (0 if none)."""
-    finite = np.abs(x[np.isfinite(x)])
-    return float(finite.max()) if finite.size else 0.0
 
 
 @np.errstate(all="ignore")

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import jax
 
-from . import _programs
+from . import _programs, _reuse
 from ._options import _is_reverse_only_error
 
 
@@ -42,6 +42,10 @@ class _Source(Protocol):
     _forward_error: BaseException | None
     _core: Any
     _core_names: frozenset[str]
+    fn: Callable[..., Any]
+    reference_vjp: Callable[..., Any] | None
+    static: Any
+    spaces: tuple[Any, ...]
     _core_memo: tuple[tuple[Any, ...], Any] | None
 
     @property
@@ -171,7 +175,31 @@ def build(p: _Source) -> _programs.Program | None:
     """The problem's core, or `None` where it cannot be built: the parts are then
     their own programs (as they are once it has raised), so that a rule raising
     in one part fails only the checks that use it. Building it finds out whether
-    the rule has forward mode."""
+    the rule has forward mode. Inside `_reuse.reusing()`, an earlier problem's
+    core of the same functions and shapes, untraced."""
+    options, selected = p.options or (None, frozenset(_NEEDS))
+    order = None if options is None else options.order
+    k = _reuse.key(p, "core", order, needed(selected), "second_order" in selected)
+    found = _reuse.get(k)
+    if found is not None and "core" in found:
+        p._core_names = found["names"]
+        p._forward_mode, p._forward_error = found["forward_mode"]
+        p._forward_traceable = found["traceable"]
+        return found["core"]
+    core = _build(p)
+    if core is not None:
+        _reuse.put(
+            k,
+            p,
+            core=core,
+            names=p._core_names,
+            forward_mode=(p._forward_mode, p._forward_error),
+            traceable=p._forward_traceable,
+        )
+    return core
+
+
+def _build(p: _Source) -> _programs.Program | None:
     forward = "fwd" in p.modes and p._forward_mode is not False
     try:
         try:

@@ -20,7 +20,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
-from . import _core, _programs
+from . import _core, _programs, _reuse
 from ._compare import (
     Inputs,
     KeyPath,
@@ -87,10 +87,16 @@ class _Problem:
 
     @ft.cached_property
     def _out_shape(self) -> tuple[Any, BaseException | None]:
+        k = _reuse.key(self, "out_shape")
+        found = _reuse.get(k)
+        if found is not None and "out_shape" in found:
+            return found["out_shape"]
         try:
-            return eqx.filter_eval_shape(self.f, self.diff), None
+            value = eqx.filter_eval_shape(self.f, self.diff), None
         except Exception as e:
             return None, e
+        _reuse.put(k, self, out_shape=value)
+        return value
 
     @property
     def out_shape(self) -> Any:
