@@ -32,7 +32,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
 from . import _registry
-from ._hyper import Invalid, check_fields, invalid_constructions
+from ._hyper import Invalid, check_fields, invalid_constructions, parameters
 from ._inputs import check_float_array, check_key
 from ._registry import Domain, Entry, catalogue, functional
 from ._tangents import (
@@ -337,6 +337,13 @@ class VJPRule(Rule):
     what is saved. Subclasses define `primal`, `bwd`, and optionally `fwd` (which by
     default saves nothing). Under `jax.jvp`, `jacfwd` or `hessian` the rule raises a
     `TypeError` that names it.
+
+    A rule with learnable [`parameter`][eqxrules.parameter] fields (an implicit
+    layer's weight, say) gives their cotangents from `bwd` too, in its declared
+    slot: `bwd` returns `(cotangents of the arguments, {"W": cotangent of W,
+    ...})`, one entry (or `None`, for a zero one) per parameter field. Returning
+    the arguments' alone is a `TypeError` naming the fields, never a gradient
+    silently 0.
     """
 
     forward_mode: ClassVar[bool] = False
@@ -347,9 +354,40 @@ class VJPRule(Rule):
 
     def bwd(
         self, residuals: Any, cotangent: Any, args: tuple[Any, ...], **kwargs: Any
-    ) -> tuple[Any, ...]:
-        """Cotangents for `args`, one per argument (`None` for a zero one)."""
+    ) -> Any:
+        """Cotangents for `args`, one per argument (`None` for a zero one); for a
+        rule with `parameter` fields, `(those, {field: cotangent, ...})`."""
         raise NotImplementedError
+
+    def _split_cotangents(self, out: Any) -> tuple[Any, dict[str, Any]]:
+        """`bwd`'s result as `(cotangents of the arguments, of the parameters)`,
+        or a `TypeError` saying what a rule with parameter fields must return."""
+        names = parameters(type(self))
+        if not names:
+            return out, {}
+        listed = ", ".join(f"`{n}`" for n in names)
+        slot = "{" + ", ".join(f"{n!r}: ..." for n in names) + "}"
+        ok = (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and isinstance(out[0], (tuple, list))
+            and isinstance(out[1], dict)
+        )
+        if not ok:
+            raise TypeError(
+                f"`{self.rule_name()}`: a `VJPRule` with learnable `parameter` "
+                f"field(s) {listed} gives their cotangents from `bwd`: return "
+                f"`(cotangents of the arguments, {slot})` (`None` for a zero one), "
+                f"not {_described(out)}; else their gradient would be silently 0."
+            )
+        args, given = out
+        if set(given) != set(names):
+            raise TypeError(
+                f"`{self.rule_name()}`: `bwd` must give a cotangent (or `None`) "
+                f"for each `parameter` field, {listed}, in `{slot}`; it gave "
+                f"{sorted(given)}."
+            )
+        return args, given
 
     def __call__(
         self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -371,6 +409,13 @@ class VJPRule(Rule):
                 "not linear in the cotangent, so it has no JVP. Use `jax.grad`, "
                 "`jax.vjp` or `jax.jacrev` instead of `jax.jvp` or `jax.jacfwd`."
             ) from e
+
+
+def _described(x: Any) -> str:
+    """What `bwd` returned, in words (not its values: arrays, or tracers)."""
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
 
 
 def no_tangent(out: PyTree) -> PyTree:
@@ -457,8 +502,10 @@ def _apply_vjp_rule_fwd(perturbed, rule_and_args, **kwargs):
 def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs):
     rule, args = rule_and_args
     args = tuple(_as_arrays(args))
-    _, perturbed_args = perturbed
-    ct_args = rule.bwd(residuals, cotangent, args, **kwargs)
+    perturbed_rule, perturbed_args = perturbed
+    ct_args, ct_params = rule._split_cotangents(
+        rule.bwd(residuals, cotangent, args, **kwargs)
+    )
     # JAX lets a bfloat16 primal receive a float32 cotangent; we do not. Under
     # `shard_map`, a replicated argument's cotangent is summed over the devices.
     ct_args = _match_cotangents(tuple(ct_args), args)
@@ -468,7 +515,30 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
         perturbed_args,
         is_leaf=lambda t: t is None,
     )
-    return jtu.tree_map(lambda _: None, rule), ct_args
+    ct_rule = jtu.tree_map(lambda _: None, rule)
+    if ct_params:
+        # Each parameter field's cotangent in its slot of the rule's (`None`
+        # elsewhere, and where the field was not perturbed).
+        names = list(ct_params)
+        values = [
+            jtu.tree_map(
+                lambda ct, p, like: _match_cotangents(ct, like) if p else None,
+                ct_params[n],
+                getattr(perturbed_rule, n),
+                getattr(rule, n),
+                is_leaf=lambda t: t is None,
+            )
+            if ct_params[n] is not None
+            else jtu.tree_map(lambda _: None, getattr(rule, n))
+            for n in names
+        ]
+        ct_rule = eqx.tree_at(
+            lambda r: [getattr(r, n) for n in names],
+            ct_rule,
+            values,
+            is_leaf=lambda t: t is None,
+        )
+    return ct_rule, ct_args
 
 
 __all__ = [
