@@ -38,7 +38,7 @@ from ._structured import (
     Symmetric as Symmetric,
 )
 from ._tangents import partial_jvp as partial_jvp
-from ._verify import (
+from ._verify_rule import (
     RuleVerification as RuleVerification,
     RuleVerificationError as RuleVerificationError,
     verify_rule as verify_rule,
