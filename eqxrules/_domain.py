@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from .testing._args import Args as Args, call as call
+from .testing._extremes import magnitudes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +129,12 @@ class Domain:
         the input can move in: the identity for a box."""
         return t
 
-    def _own_sample(self) -> bool:
-        """Whether this domain draws its own inputs (a structured one), so that
-        the box's degenerate and extreme inputs are not in it."""
+    @property
+    def structured(self) -> bool:
+        """Whether this domain draws its own inputs (a subclass that overrides
+        `sample`: a structured domain), so that the box's degenerate and extreme
+        inputs, and the box's draws in `eqxrules.testing.strategies`, are not
+        its."""
         return type(self).sample is not Domain.sample
 
     def on_kinks(self, key: PRNGKeyArray, dtype: Any = jnp.float32) -> list[Array]:
@@ -165,7 +169,7 @@ class Domain:
         with its references there as anywhere: where they are finite, so is it.
         (None for a domain that draws its own `sample`, unless it overrides
         this.)"""
-        if self._own_sample():
+        if self.structured:
             return []
         k_zero, k_const, k_inf = jax.random.split(key, 3)
         c = self.low + 0.7 * (self.high - self.low)
@@ -206,7 +210,7 @@ class Domain:
         finite nowhere is outside the rule's domain, and `verify_rule` skips it,
         saying so. (None for a domain that draws its own `sample`, unless it
         overrides this.)"""
-        if self._own_sample():
+        if self.structured:
             return []
         return [
             (what, jnp.asarray(x, dtype=dtype))
@@ -379,21 +383,11 @@ class Inputs:
         return Args(d.project(x) for d, x in zip(self.domains, t, strict=True))
 
 
-def _magnitudes(dtype: Any) -> tuple[float, float, float]:
-    """`(big, tiny, top)` for `dtype`: powers of ten about four fifths of the way to
-    each end of its exponent range (`1e30` and `1e-30` for float32 and bfloat16,
-    `1e4` and `1e-4` for float16), and a quarter of its largest finite value."""
-    info = jnp.finfo(dtype)
-    big = 10.0 ** round(0.79 * math.log10(float(info.max)))
-    tiny = 10.0 ** round(0.79 * math.log10(float(info.tiny)))
-    return big, tiny, float(info.max) / 4
-
-
 def _box_extremes(
     d: Domain, key: PRNGKeyArray, dtype: Any
 ) -> list[tuple[str, np.ndarray]]:
     k_sign, k_inf, k_row = jax.random.split(key, 3)
-    big, tiny, top = _magnitudes(dtype)
+    big, tiny, top = magnitudes(dtype)
     signed = d.low < 0 < d.high
     sign = 1.0 if d.low >= 0 else -1.0
     signs = np.full(d.shape, sign, np.float64)

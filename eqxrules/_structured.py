@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from ._domain import Domain, _magnitudes
+from ._domain import Domain
+from .testing._extremes import magnitudes
 
 
 def _symmetric(x: Any) -> Any:
@@ -90,7 +91,7 @@ class Symmetric(Domain):
                 f"a symmetric matrix of largest entry {m:.4g}",
                 jnp.asarray(unit * m, dtype),
             )
-            for m in _magnitudes(dtype)
+            for m in magnitudes(dtype)
         ]
 
 
@@ -162,7 +163,7 @@ class PositiveDefinite(Symmetric):
     ) -> list[tuple[str, Array]]:
         """A random input with its eigenvalues times `big` and times `tiny` (see
         `Domain.extremes`): positive definite still."""
-        big, tiny, _ = _magnitudes(dtype)
+        big, tiny, _ = magnitudes(dtype)
         x = np.asarray(self.sample(key), np.float64)
         return [
             (f"a positive definite matrix times {m:g}", jnp.asarray(x * m, dtype))
@@ -273,7 +274,7 @@ class Simplex(Domain):
     ) -> list[tuple[str, Array]]:
         """A vertex (the first entry 1, the others 0: the simplex's boundary), and
         one next to it (the others `tiny`, see `Domain.extremes`)."""
-        _, tiny, _ = _magnitudes(dtype)
+        _, tiny, _ = magnitudes(dtype)
         index = [slice(None)] * len(self.shape)
         index[self.axis] = 0
         vertex = np.zeros(self.shape)

@@ -24,8 +24,9 @@ import numpy as np
 from jaxtyping import PRNGKeyArray
 
 from ._catalogue import Entry
-from ._domain import Args, Domain, Inputs, _magnitudes
+from ._domain import Args, Domain, Inputs
 from .testing import CHECKS, RuleReport, check_rule
+from .testing._extremes import magnitudes
 from .testing._reuse import reusing
 
 
@@ -132,7 +133,7 @@ def _moderate(x: Any) -> bool:
             continue
         a = np.asarray(leaf, np.float64)
         if not (
-            np.all(np.isfinite(a)) and np.all(np.abs(a) <= _magnitudes(leaf.dtype)[0])
+            np.all(np.isfinite(a)) and np.all(np.abs(a) <= magnitudes(leaf.dtype)[0])
         ):
             return False
     return True
