@@ -186,8 +186,9 @@ class Rule(eqx.Module):
 
     def cotangent_thresholds(self) -> tuple[float, ...]:
         """Where this instance's backward pass changes with the size of the
-        cotangent (a clipping level): the checks scale the random cotangent past
-        each, four times over, as well as by `1e-3` and `1e3`. None by default."""
+        cotangent (a clipping level): the checks scale the random cotangent to
+        either side of each (`check_rule`'s `cotangent_thresholds`), as well as
+        by `1e-3` and `1e3`. None by default."""
         return ()
 
     @classmethod

@@ -28,7 +28,7 @@ from ._cli_output import (
 from ._cli_user import built_with_defaults, modes_of, rule_class
 from ._domain import Args, Inputs
 from ._registry import defines, entry_of
-from ._verify import _NOT_DIFFERENTIABLE, cotangent_scales, tangent_space
+from ._verify import _NOT_DIFFERENTIABLE, tangent_space
 from .testing import RuleReport, check_rule
 
 
@@ -254,7 +254,7 @@ def _rule_problem(
     examples: the Module as an argument, inputs drawn from its declared domain
     (several for a rule of several inputs), its own references unless `--forward`
     or `--derivative` replaces them (each taking the inputs alone), cotangents
-    scaled past its thresholds, tangents in its domain's tangent space, and finite
+    scaled to either side of its thresholds, tangents in its domain's tangent space, and finite
     differences where its derivative is the true one."""
     domain = _domain(args, rule, _shape(args))
     x = domain.sample(jax.random.key(args.seed), _dtype(args), off_kinks=True)
@@ -282,7 +282,7 @@ def _rule_problem(
             )
     options = dict(
         finite_differences=rule.is_exact(),
-        cotangent_scales=cotangent_scales(rule),
+        cotangent_thresholds=rule.cotangent_thresholds(),
         tangent_space=tangent_space(domain, isinstance(x, Args)),
         order=2 if rule.second_order() else 1,
     )

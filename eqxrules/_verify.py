@@ -106,16 +106,6 @@ _NOT_DIFFERENTIABLE = (
 )
 
 
-def cotangent_scales(rule: Any) -> tuple[float, ...]:
-    """The scales the `vjp` check multiplies its random cotangent by for `rule`:
-    `1e-3`, `1` and `1e3`, and four times each of the rule's
-    `cotangent_thresholds()` (a clipping level), so that its backward pass is
-    tried on both sides of every one."""
-    crossing = [4 * abs(float(t)) for t in rule.cotangent_thresholds()]
-    crossing = [s for s in crossing if math.isfinite(s) and s > 0]
-    return tuple(sorted({1e-3, 1.0, 1e3, *crossing}))
-
-
 def tangent_space(domain: Any, several: bool) -> tuple[Any, ...] | None:
     """`check_rule`'s `tangent_space` for `(m, *inputs)`: each input's domain's
     projection, where it has one of its own (the rule Module's fields move
@@ -170,8 +160,8 @@ def verify(
     same key); never raises on a failing check.
 
     For each example `rule`, with `domain = rule.input_domain()`, `check_rule`
-    against the references (cotangents scaled by `cotangent_scales(rule)`,
-    tangents in the domain's tangent space):
+    against the references (cotangents scaled also to either side of the rule's
+    `cotangent_thresholds()`, tangents in the domain's tangent space):
 
     - at every kink: one input per `n` kinks (`n` elements per input), from
         `domain.on_kinks` (one random input for a rule without kinks); the first
@@ -227,7 +217,7 @@ def verify(
             where_reference_nan=nan,
             checks=checks,
             order=order,
-            cotangent_scales=cotangent_scales(rule),
+            cotangent_thresholds=rule.cotangent_thresholds(),
             tangent_space=tangent_space(domain, isinstance(x, Args)),
         )
         if order == 1 or not rule.second_order():
@@ -297,4 +287,4 @@ def verify(
     return EntryResult(entry, reports, seconds, labels, examples, skipped)
 
 
-__all__ = ["CHECKS", "EntryResult", "cotangent_scales", "tangent_space", "verify"]
+__all__ = ["CHECKS", "EntryResult", "tangent_space", "verify"]

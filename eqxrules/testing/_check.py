@@ -85,24 +85,24 @@ def _check_tangent_space(tangent_space: Any, n: int) -> TangentSpace:
     )
 
 
-def _check_scales(scales: Any) -> tuple[float, ...]:
-    if isinstance(scales, (str, bytes)) or not isinstance(scales, Collection):
+def _check_scales(values: Any, name: str = "cotangent_scales") -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Collection):
         raise TypeError(
-            "`check_rule`: `cotangent_scales` must be a tuple of positive numbers, "
-            f"not {type(scales).__name__} (={scales!r})."
+            f"`check_rule`: `{name}` must be a tuple of positive numbers, not "
+            f"{type(values).__name__} (={values!r})."
         )
-    for s in scales:
-        if isinstance(s, bool) or not isinstance(s, numbers.Real):
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(
-                "`check_rule`: `cotangent_scales` must hold numbers, but holds "
-                f"{s!r} of type {type(s).__name__}."
+                f"`check_rule`: `{name}` must hold numbers, but holds {v!r} of "
+                f"type {type(v).__name__}."
             )
-        if not (math.isfinite(s) and s > 0):
+        if not (math.isfinite(v) and v > 0) and name == "cotangent_scales":
             raise ValueError(
-                f"`check_rule`: `cotangent_scales` (={tuple(scales)!r}) must hold "
-                f"finite positive numbers, not {s!r}."
+                f"`check_rule`: `{name}` (={tuple(values)!r}) must hold finite "
+                f"positive numbers, not {v!r}."
             )
-    return tuple(float(s) for s in scales)
+    return tuple(float(v) for v in values)
 
 
 def _check_names(name: str, value: Any) -> frozenset[str]:
@@ -308,6 +308,7 @@ def check_rule(
     skip: Sequence[str] | None = None,
     where_reference_nan: str = "nan",
     cotangent_scales: Sequence[float] = (1e-3, 1.0, 1e3),
+    cotangent_thresholds: Sequence[float] = (),
     tangent_space: TangentSpace = None,
 ) -> RuleReport:
     r"""Check a custom derivative rule against references, one check at a time.
@@ -376,8 +377,12 @@ def check_rule(
         reference's for the random cotangent times each of these (the absolute
         tolerance scaled alike): a backward pass that is not linear in its
         cotangent (a clipped gradient) is then tried on both sides of its
-        thresholds, and any other for overflow and underflow. Include a scale
-        that crosses your rule's own thresholds (`4 * max_norm`, say).
+        thresholds, and any other for overflow and underflow.
+    - `cotangent_thresholds`: where your rule's backward pass changes with the
+        size of its cotangent (a clipping level, `max_norm`): `vjp` also scales
+        the cotangent so that its largest element lies at half and twice each,
+        and its norm at 0.9 and 1.1 times each, so that a threshold 10% out of
+        place (or compared the wrong way) is seen from either side.
     - `tangent_space`: for arguments confined to a subspace (a symmetric matrix,
         a probability vector), a function projecting a tangent of the argument
         onto that subspace, orthogonally (linear, idempotent and self-adjoint:
@@ -426,6 +431,7 @@ def check_rule(
             "'nan' (the rule is NaN where a reference is) or 'any' (unchecked there)."
         )
     scales = _check_scales(cotangent_scales)
+    thresholds = _check_scales(cotangent_thresholds, "cotangent_thresholds")
     tangent_space = _check_tangent_space(tangent_space, len(args))
     if finite_differences is None:
         finite_differences = derivative is None and reference_vjp is None
@@ -436,6 +442,7 @@ def check_rule(
         order=int(order),
         unchecked_nan=where_reference_nan == "any",
         cotangent_scales=scales,
+        cotangent_thresholds=thresholds,
     )
 
     # Warnings raised while checking are the rule's (the checker's own arithmetic

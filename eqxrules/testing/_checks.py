@@ -69,10 +69,11 @@ def _check_vjp(p: _Problem, o: _Options) -> dict[str, Any] | str:
         check_dtype=False,
         reference=True,
     )
-    # The cotangent scaled up and down (and past any threshold the caller names):
-    # a backward pass that is not linear in it (a clipped gradient) is checked on
-    # both sides of its thresholds, and any other for overflow and underflow.
-    for scale in o.cotangent_scales:
+    # The cotangent scaled up and down, and to either side of each threshold the
+    # caller names: a backward pass that is not linear in it (a clipped gradient)
+    # is checked on both sides of its thresholds, and any other for overflow and
+    # underflow.
+    for scale in (*o.cotangent_scales, *_crossing(p.ct, o.cotangent_thresholds)):
         if scale == 1.0:
             continue
         ct = _scaled(p.ct, scale)
@@ -85,6 +86,23 @@ def _check_vjp(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 atol_scale=scale,
             )
     return figures
+
+
+def _crossing(ct: Any, thresholds: Sequence[float]) -> list[float]:
+    """Scales of `ct` that put its largest element at half and twice each
+    threshold, and its norm at 0.9 and 1.1 times it: either side of a threshold
+    on an element (an elementwise clip: the elements then spread on both sides)
+    or on the norm (a clip of the norm), close enough that a threshold 10% out
+    of place is seen."""
+    leaves = [np.abs(np.asarray(c, np.float64)) for c in _inexact(ct)]
+    largest = max((float(c.max()) for c in leaves if c.size), default=0.0)
+    norm = float(np.sqrt(sum(float(np.sum(c**2)) for c in leaves)))
+    scales = []
+    for t in (abs(float(t)) for t in thresholds):
+        if not (np.isfinite(t) and t > 0 and largest > 0):
+            continue
+        scales += [t / 2 / largest, 2 * t / largest, 0.9 * t / norm, 1.1 * t / norm]
+    return scales
 
 
 def _check_transpose(p: _Problem, o: _Options) -> dict[str, Any] | str:

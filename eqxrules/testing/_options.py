@@ -18,6 +18,7 @@ class _Options:
     order: int
     unchecked_nan: bool = False
     cotangent_scales: tuple[float, ...] = (1.0,)
+    cotangent_thresholds: tuple[float, ...] = ()
 
 
 def _is_reverse_only_error(e: BaseException) -> bool:
