@@ -130,12 +130,18 @@ class PositiveDefinite(Symmetric):
     def sample(
         self, key: PRNGKeyArray, dtype: Any = jnp.float32, *, off_kinks: bool = True
     ) -> Array:
-        """`Q diag(λ) Qᵀ`: `Q` orthonormal at random, `λ` uniform in `[low, high]`."""
+        """`Q diag(λ) Qᵀ`: `Q` orthonormal at random, `λ` drawn from `[low, high]`
+        one in each of `n` equal parts of it, in the middle half of its part: so
+        that no two are closer than a quarter of a part's width. (A derivative
+        through an eigendecomposition divides by their differences; eigenvalues
+        that meet are a `degenerate` input of their own.)"""
         k_basis, k_values = jax.random.split(key)
         batch, n = self.shape[:-2], self.shape[-1]
-        values = np.asarray(
-            jax.random.uniform(k_values, (*batch, n), minval=self.low, maxval=self.high)
+        jitter = np.asarray(
+            jax.random.uniform(k_values, (*batch, n), minval=0.25, maxval=0.75)
         )
+        width = (self.high - self.low) / n
+        values = self.low + (np.arange(n) + jitter) * width
         return jnp.asarray(self._with_eigenvalues(k_basis, values), dtype)
 
     def degenerate(

@@ -368,11 +368,14 @@ def check_rule(
         both.
     - `where_reference_nan`: what the rule must give where a reference is NaN:
         `"nan"` (NaN too, the default) or `"any"` (anything: the reference says
-        nothing there). With `"any"`, an element a reference gives as finite must
-        still be finite and match, and a zero cotangent may give NaN only where
-        the reference's own VJP of it does. For inputs where a reference's formula
-        breaks down though the rule need not (a norm's derivative at a slice
-        holding inf): [`eqxrules.verify_rule`][] checks its degenerate slices so.
+        nothing there). With `"any"`, a derivative may also be anything where the
+        reference's derivative is infinite (its own arithmetic overflowing at an
+        extreme input, where the rule's need not; an infinite value is still
+        compared); an element a reference gives as finite must still be finite
+        and match, and a zero cotangent may give NaN only where the reference's
+        own VJP of it does. For inputs where a reference's formula breaks down
+        though the rule need not (a norm's derivative at a slice holding inf):
+        [`eqxrules.verify_rule`][] checks its degenerate and extreme inputs so.
     - `cotangent_scales`: the `vjp` check compares the rule's cotangents with the
         reference's for the random cotangent times each of these (the absolute
         tolerance scaled alike): a backward pass that is not linear in its

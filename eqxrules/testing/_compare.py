@@ -118,6 +118,7 @@ def _compare(
     floor: str | None = None,
     inputs: Inputs | None = None,
     unchecked_nan: bool = False,
+    unchecked_inf: bool = False,
     atol_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Fail (raise `_Failure`) unless every leaf agrees. Returns the figures: the
@@ -129,7 +130,9 @@ def _compare(
     carries `inputs` there, if given. NaN must be where `expected` has NaN, and
     only there; with `unchecked_nan`, an element where `expected` is NaN is not
     compared (the reference says nothing there), and NaN elsewhere still fails.
-    Where `expected` is finite, `actual` must be too. A comparison that compares
+    With `unchecked_inf` too, an element where `expected` is infinite is not
+    compared either (a reference's derivative overflowing where the rule's need
+    not). Where `expected` is finite, `actual` must be too. A comparison that compares
     no element (none finite on both sides) fails: it would pass whatever the
     rule gave. `atol_scale` multiplies the absolute tolerance (for values scaled
     by it)."""
@@ -179,7 +182,8 @@ def _compare(
         en = np.asarray(e).astype(an.dtype)
         sn = np.abs(en) if s is None else np.abs(np.asarray(s)).astype(np.float64)
         a_nan, e_nan = np.isnan(an), np.isnan(en)
-        mismatch = (a_nan & ~e_nan) if unchecked_nan else (a_nan != e_nan)
+        silent = e_nan | (np.isinf(en) if unchecked_inf else False)
+        mismatch = (a_nan & ~silent) if unchecked_nan else (a_nan != e_nan)
         if np.any(mismatch):
             rule_nan = a_nan & ~e_nan
             flat = int(np.argmax((rule_nan if np.any(rule_nan) else mismatch).ravel()))
@@ -215,7 +219,7 @@ def _compare(
         compared += int(both.sum())
         elements += an.size
         same_inf = np.isinf(an) & (an == en)
-        err = np.where(a_nan | e_nan | same_inf, 0.0, np.abs(an - en))
+        err = np.where(a_nan | silent | same_inf, 0.0, np.abs(an - en))
         err = np.where(np.isnan(err), np.inf, err)
         bound = t + r * np.where(np.isinf(sn), 0.0, sn)
         rel = np.where(np.abs(en) > 0, err / np.abs(en), np.where(err > 0, np.inf, 0))

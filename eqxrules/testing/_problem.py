@@ -348,6 +348,7 @@ class _Problem:
 
         inputs = self._inputs(point, same_shape)
         kw.setdefault("unchecked_nan", reference and self.unchecked_nan)
+        kw.setdefault("unchecked_inf", reference and self.unchecked_nan)
         return self._compare(actual, expected, prefix, inputs, **kw)
 
     def compare_args(
@@ -374,6 +375,7 @@ class _Problem:
 
         inputs = self._inputs(point, same_leaf)
         kw.setdefault("unchecked_nan", reference and self.unchecked_nan)
+        kw.setdefault("unchecked_inf", reference and self.unchecked_nan)
         return self._compare(actual, expected, name, inputs, **kw)
 
     def _inputs(self, point: Any, keep: Callable[..., bool]) -> Inputs:
