@@ -361,9 +361,13 @@ def check_rule(
     - `order`: `1`, or `2` to also check second derivatives (`second_order`),
         against plain autodiff through `derivative`'s VJP, through `reference_vjp`,
         or (for a true derivative with neither) through `forward`. Only for rules
-        that declare their higher derivatives.
+        that declare their higher derivatives. With `2`, the checks' shared
+        program computes the second derivatives even where `second_order` is not
+        selected (so that calls at several inputs, with and without it, share
+        one program).
     - `checks`: the names (of [`CHECKS`][]) of the checks to run; the others are
-        reported `"skipped"`, "not selected", and cost nothing.
+        reported `"skipped"`, "not selected", and (but for the second derivatives
+        under `order=2`) cost nothing.
     - `skip`: the names of the checks to leave out. Give `checks` or `skip`, not
         both.
     - `where_reference_nan`: what the rule must give where a reference is NaN:

@@ -98,13 +98,22 @@ def needed(selected: frozenset[str]) -> frozenset[str]:
     return frozenset().union(*(_NEEDS.get(name, frozenset()) for name in selected))
 
 
+def wanted(p: _Source) -> frozenset[str]:
+    """The parts `p`'s core computes: those its selected checks read, and with
+    `order=2` the second derivatives whether `second_order` is selected or not
+    (so that the calls `verify` makes at one example's inputs, with and without
+    it, share one program)."""
+    options, selected = p.options or (None, frozenset(_NEEDS))
+    second = _SECOND if options is not None and options.order >= 2 else frozenset()
+    return needed(selected) | second
+
+
 def parts(p: _Source, forward: bool) -> Parts:
     """The core's parts, by name, each a function of `(d, t, ct, u)`: the point,
     a tangent, a cotangent and (for the VJP of the VJP) a second cotangent. Only
-    those a selected check reads."""
-    _, selected = p.options or (None, frozenset(_NEEDS))
-    wanted = needed(selected)
-    return {name: fn for name, fn in _parts(p, forward).items() if name in wanted}
+    those `wanted`."""
+    names = wanted(p)
+    return {name: fn for name, fn in _parts(p, forward).items() if name in names}
 
 
 def _parts(p: _Source, forward: bool) -> Parts:
@@ -120,11 +129,10 @@ def _parts(p: _Source, forward: bool) -> Parts:
     out["vjp"] = lambda d, t, ct, u: p.vjp(d, ct)
     if p.has_reference:
         out["reference_vjp"] = lambda d, t, ct, u: p.reference_cotangent(d, ct)
-    options, selected = p.options or (None, frozenset())
+    options, _ = p.options or (None, frozenset())
     if (
         options is not None
         and options.order >= 2
-        and "second_order" in selected
         and (p.has_reference or p.forward is not None)
     ):
         for name, make in _SECOND_ORDER.items():
@@ -177,9 +185,7 @@ def build(p: _Source) -> _programs.Program | None:
     in one part fails only the checks that use it. Building it finds out whether
     the rule has forward mode. Inside `_reuse.reusing()`, an earlier problem's
     core of the same functions and shapes, untraced."""
-    options, selected = p.options or (None, frozenset(_NEEDS))
-    order = None if options is None else options.order
-    k = _reuse.key(p, "core", order, needed(selected), "second_order" in selected)
+    k = _reuse.key(p, "core", wanted(p))
     found = _reuse.get(k)
     if found is not None and "core" in found:
         p._core_names = found["names"]
