@@ -294,6 +294,7 @@ def _check(args: argparse.Namespace) -> int:
     derivative = _import(args.derivative, "`--derivative`") if args.derivative else None
     fn, needs, rule = _target(args)
     key, notes = _rule_key(args, needs)
+    kwargs: dict[str, Any]
     if rule is not None:
         fn, call_args, kwargs = _rule_problem(args, rule, key, forward, derivative)
         declared: bool | None = type(rule).forward_mode

@@ -281,7 +281,7 @@ class Simplex(Domain):
         """A vertex (the first entry 1, the others 0: the simplex's boundary), and
         one next to it (the others `tiny`, see `Domain.extremes`)."""
         _, tiny, _ = magnitudes(dtype)
-        index = [slice(None)] * len(self.shape)
+        index: list[int | slice] = [slice(None)] * len(self.shape)
         index[self.axis] = 0
         vertex = np.zeros(self.shape)
         vertex[tuple(index)] = 1.0

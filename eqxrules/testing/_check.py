@@ -97,7 +97,7 @@ def _check_scales(values: Any, name: str = "cotangent_scales") -> tuple[float, .
                 f"`check_rule`: `{name}` must hold numbers, but holds {v!r} of "
                 f"type {type(v).__name__}."
             )
-        if not (math.isfinite(v) and v > 0) and name == "cotangent_scales":
+        if name == "cotangent_scales" and not (math.isfinite(v) and float(v) > 0):
             raise ValueError(
                 f"`check_rule`: `{name}` (={tuple(values)!r}) must hold finite "
                 f"positive numbers, not {v!r}."
