@@ -32,7 +32,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
 from . import _registry
-from ._hyper import Invalid, check_fields, invalid_constructions, parameters
+from ._hyper import Invalid, check_fields, invalid_constructions
 from ._inputs import check_float_array, check_key
 from ._registry import Domain, Entry, catalogue, functional
 from ._tangents import (
@@ -42,6 +42,7 @@ from ._tangents import (
     _match_dtypes,
 )
 from ._typing import PyTree
+from ._vjp_slot import rule_cotangent, split_cotangents
 
 _T = TypeVar("_T")
 
@@ -174,13 +175,12 @@ class Rule(eqx.Module):
 
     def second_order(self) -> bool:
         """Whether this instance's derivative is differentiable, its second
-        derivatives those of its references (the JVP and the VJP of its VJP,
-        along a fixed cotangent: `check_rule(order=2)`), off its kinks, where
-        `verify_rule` and `python -m eqxrules` check them. Defaults to `True`. A
-        rule whose derivative is not differentiable (computed by a quantised
-        product, say) returns `False`, and its second order is reported
-        unsupported ("n/a"); the catalogue's tests keep each declaration true
-        both ways. (Weaker than `higher_order()`, which claims every order for
+        derivatives (the JVP and VJP of its VJP along a fixed cotangent:
+        `check_rule(order=2)`) those of its references off its kinks, where
+        `verify_rule` and `python -m eqxrules` check them. Defaults to `True`; a
+        rule whose derivative is not (computed by a quantised product, say)
+        returns `False`, reported "n/a". The catalogue's tests keep each
+        declaration true both ways. (Weaker than `higher_order()`: every order,
         any loss.)"""
         return True
 
@@ -360,36 +360,6 @@ class VJPRule(Rule):
         rule with `parameter` fields, `(those, {field: cotangent, ...})`."""
         raise NotImplementedError
 
-    def _split_cotangents(self, out: Any) -> tuple[Any, dict[str, Any]]:
-        """`bwd`'s result as `(cotangents of the arguments, of the parameters)`,
-        or a `TypeError` saying what a rule with parameter fields must return."""
-        names = parameters(type(self))
-        if not names:
-            return out, {}
-        listed = ", ".join(f"`{n}`" for n in names)
-        slot = "{" + ", ".join(f"{n!r}: ..." for n in names) + "}"
-        ok = (
-            isinstance(out, tuple)
-            and len(out) == 2
-            and isinstance(out[0], (tuple, list))
-            and isinstance(out[1], dict)
-        )
-        if not ok:
-            raise TypeError(
-                f"`{self.rule_name()}`: a `VJPRule` with learnable `parameter` "
-                f"field(s) {listed} gives their cotangents from `bwd`: return "
-                f"`(cotangents of the arguments, {slot})` (`None` for a zero one), "
-                f"not {_described(out)}; else their gradient would be silently 0."
-            )
-        args, given = out
-        if set(given) != set(names):
-            raise TypeError(
-                f"`{self.rule_name()}`: `bwd` must give a cotangent (or `None`) "
-                f"for each `parameter` field, {listed}, in `{slot}`; it gave "
-                f"{sorted(given)}."
-            )
-        return args, given
-
     def __call__(
         self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
     ) -> Any:
@@ -410,13 +380,6 @@ class VJPRule(Rule):
                 "not linear in the cotangent, so it has no JVP. Use `jax.grad`, "
                 "`jax.vjp` or `jax.jacrev` instead of `jax.jvp` or `jax.jacfwd`."
             ) from e
-
-
-def _described(x: Any) -> str:
-    """What `bwd` returned, in words (not its values: arrays, or tracers)."""
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of {len(x)}"
-    return f"a {type(x).__name__}"
 
 
 def no_tangent(out: PyTree) -> PyTree:
@@ -504,8 +467,8 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
     rule, args = rule_and_args
     args = tuple(_as_arrays(args))
     perturbed_rule, perturbed_args = perturbed
-    ct_args, ct_params = rule._split_cotangents(
-        rule.bwd(residuals, cotangent, args, **kwargs)
+    ct_args, ct_params = split_cotangents(
+        rule, rule.bwd(residuals, cotangent, args, **kwargs)
     )
     # JAX lets a bfloat16 primal receive a float32 cotangent; we do not. Under
     # `shard_map`, a replicated argument's cotangent is summed over the devices.
@@ -516,30 +479,7 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
         perturbed_args,
         is_leaf=lambda t: t is None,
     )
-    ct_rule = jtu.tree_map(lambda _: None, rule)
-    if ct_params:
-        # Each parameter field's cotangent in its slot of the rule's (`None`
-        # elsewhere, and where the field was not perturbed).
-        names = list(ct_params)
-        values = [
-            jtu.tree_map(
-                lambda ct, p, like: _match_cotangents(ct, like) if p else None,
-                ct_params[n],
-                getattr(perturbed_rule, n),
-                getattr(rule, n),
-                is_leaf=lambda t: t is None,
-            )
-            if ct_params[n] is not None
-            else jtu.tree_map(lambda _: None, getattr(rule, n))
-            for n in names
-        ]
-        ct_rule = eqx.tree_at(
-            lambda r: [getattr(r, n) for n in names],
-            ct_rule,
-            values,
-            is_leaf=lambda t: t is None,
-        )
-    return ct_rule, ct_args
+    return rule_cotangent(rule, ct_params, perturbed_rule), ct_args
 
 
 __all__ = [
