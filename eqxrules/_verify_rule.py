@@ -134,19 +134,28 @@ def verify_rule(
     2. every instance of `rule.examples(key)` passes
         [`check_rule`][eqxrules.testing.check_rule] against the references, with
         the Module itself as an argument (so a wrapped model's parameters and the
-        rule's learnable fields are checked), on inputs of its domain's shape
-        drawn from its `input_domain()` (a range left undeclared covers the
-        kinks):
+        rule's learnable fields are checked), on inputs drawn from its
+        `input_domain()` (a range left undeclared covers the kinks; a structured
+        domain draws its own, and its `project` gives the tangents), with the
+        cotangent also scaled by `1e-3`, `1e3` and to either side of its
+        `cotangent_thresholds()`:
         - at every one of its `kinks()`, however many: as many inputs as it
             takes, each holding the next kinks;
         - at degenerate slices, where a rule that reduces over an axis (a norm, a
             scale from a mean) goes wrong: an all-zero input and a zero slice along
             every axis (where the range holds 0), a constant input and a constant
-            slice along every axis, and one `inf`. There it must give what the
-            references give wherever they are finite (a masked 0 stays 0); where
-            they are NaN it may give anything (`where_reference_nan="any"`);
+            slice along every axis, and one `inf`; and at the extremes of the
+            dtype's range as the domain allows (`Domain.extremes`: every element
+            `±1e30`, `±1e-30` or a quarter of the largest float32, one `-inf`, a
+            masked row). There it must give what the references give wherever
+            they are finite (a masked 0 stays 0; an infinite value or derivative
+            where theirs is finite fails, naming the input); where they are NaN
+            it may give anything (`where_reference_nan="any"`), and an input where
+            they are finite nowhere is skipped, saying so (`skipped`);
         - an instance whose `is_exact()`, also against finite differences away
             from its kinks;
+        - one whose `second_order()` (the default), at second order off its
+            kinks and at the extremes up to `1e30`;
     3. it supports forward mode exactly as declared (`JVPRule` yes, `VJPRule` no);
     4. every invalid value its field declarations imply is rejected when the
         Module is built, with the declared `TypeError` or `ValueError` naming the

@@ -30,7 +30,7 @@ except ImportError as e:
 class DomainLike(Protocol):
     """Anything with `low`, `high`, `kinks`, `shape` and `margin`, such as
     `eqxrules.Domain` (whose `structured` ones, drawing their own `sample`, are
-    drawn through it by [`inputs`][eqxrules.testing.strategies.inputs])."""
+    drawn through it by `inputs`)."""
 
     low: float
     high: float
