@@ -32,8 +32,14 @@ from ._lowp.ragged import quantized_ragged_dot as quantized_ragged_dot
 from ._rules import *  # noqa: F403  (every rule class and its functional form)
 from ._rules.blocks import BlockQuantizer as BlockQuantizer
 from ._sign_warning import NonNegativeSignInputWarning as NonNegativeSignInputWarning
+from ._structured import (
+    Integers as Integers,
+    PositiveDefinite as PositiveDefinite,
+    Simplex as Simplex,
+    Symmetric as Symmetric,
+)
 from ._tangents import partial_jvp as partial_jvp
-from ._verify import (
+from ._verify_rule import (
     RuleVerification as RuleVerification,
     RuleVerificationError as RuleVerificationError,
     verify_rule as verify_rule,
@@ -48,10 +54,12 @@ __all__ = [
     "ElementwiseRule",
     "Entry",
     "Inputs",
+    "Integers",
     "JVPRule",
     "Keyed",
     "Mask",
     "NonNegativeSignInputWarning",
+    "PositiveDefinite",
     "PytreeRule",
     "Quantized",
     "QuantizedConv",
@@ -59,6 +67,8 @@ __all__ = [
     "Rule",
     "RuleVerification",
     "RuleVerificationError",
+    "Simplex",
+    "Symmetric",
     "VJPRule",
     "calibrate",
     "catalogue",

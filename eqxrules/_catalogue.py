@@ -42,6 +42,7 @@ from ._tangents import (
     _match_dtypes,
 )
 from ._typing import PyTree
+from ._vjp_slot import rule_cotangent, split_cotangents
 
 _T = TypeVar("_T")
 
@@ -171,6 +172,24 @@ class Rule(eqx.Module):
         higher derivatives (a stop-gradient whose `primal` blocks them too, say)
         overrides it, and the test matrix then checks the claim."""
         return self.is_exact()
+
+    def second_order(self) -> bool:
+        """Whether this instance's derivative is differentiable, its second
+        derivatives (the JVP and VJP of its VJP along a fixed cotangent:
+        `check_rule(order=2)`) those of its references off its kinks, where
+        `verify_rule` and `python -m eqxrules` check them. Defaults to `True`; a
+        rule whose derivative is not (computed by a quantised product, say)
+        returns `False`, reported "n/a". The catalogue's tests keep each
+        declaration true both ways. (Weaker than `higher_order()`: every order,
+        any loss.)"""
+        return True
+
+    def cotangent_thresholds(self) -> tuple[float, ...]:
+        """Where this instance's backward pass changes with the size of the
+        cotangent (a clipping level): the checks scale the random cotangent to
+        either side of each (`check_rule`'s `cotangent_thresholds`), as well as
+        by `1e-3` and `1e3`. None by default."""
+        return ()
 
     @classmethod
     def rule_name(cls) -> str:
@@ -319,6 +338,13 @@ class VJPRule(Rule):
     what is saved. Subclasses define `primal`, `bwd`, and optionally `fwd` (which by
     default saves nothing). Under `jax.jvp`, `jacfwd` or `hessian` the rule raises a
     `TypeError` that names it.
+
+    A rule with learnable [`parameter`][eqxrules.parameter] fields (an implicit
+    layer's weight, say) gives their cotangents from `bwd` too, in its declared
+    slot: `bwd` returns `(cotangents of the arguments, {"W": cotangent of W,
+    ...})`, one entry (or `None`, for a zero one) per parameter field. Returning
+    the arguments' alone is a `TypeError` naming the fields, never a gradient
+    silently 0.
     """
 
     forward_mode: ClassVar[bool] = False
@@ -329,8 +355,9 @@ class VJPRule(Rule):
 
     def bwd(
         self, residuals: Any, cotangent: Any, args: tuple[Any, ...], **kwargs: Any
-    ) -> tuple[Any, ...]:
-        """Cotangents for `args`, one per argument (`None` for a zero one)."""
+    ) -> Any:
+        """Cotangents for `args`, one per argument (`None` for a zero one); for a
+        rule with `parameter` fields, `(those, {field: cotangent, ...})`."""
         raise NotImplementedError
 
     def __call__(
@@ -439,8 +466,10 @@ def _apply_vjp_rule_fwd(perturbed, rule_and_args, **kwargs):
 def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs):
     rule, args = rule_and_args
     args = tuple(_as_arrays(args))
-    _, perturbed_args = perturbed
-    ct_args = rule.bwd(residuals, cotangent, args, **kwargs)
+    perturbed_rule, perturbed_args = perturbed
+    ct_args, ct_params = split_cotangents(
+        rule, rule.bwd(residuals, cotangent, args, **kwargs)
+    )
     # JAX lets a bfloat16 primal receive a float32 cotangent; we do not. Under
     # `shard_map`, a replicated argument's cotangent is summed over the devices.
     ct_args = _match_cotangents(tuple(ct_args), args)
@@ -450,7 +479,7 @@ def _apply_vjp_rule_bwd(residuals, cotangent, perturbed, rule_and_args, **kwargs
         perturbed_args,
         is_leaf=lambda t: t is None,
     )
-    return jtu.tree_map(lambda _: None, rule), ct_args
+    return rule_cotangent(rule, ct_params, perturbed_rule), ct_args
 
 
 __all__ = [

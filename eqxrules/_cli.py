@@ -99,7 +99,9 @@ def _result_json(r: EntryResult | UserResult) -> dict[str, Any]:
     }
 
 
-def _select(names: Sequence[str] | None, users: bool = False) -> list[tuple[str, Any]]:
+def _select(
+    names: Sequence[str] | None, users: bool = False, command: str = "verify"
+) -> list[tuple[str, Any]]:
     """`(name, entry)` for each catalogue name (all, if none is given); with
     `users`, a `PKG.MODULE:NAME` is imported: a library rule class gives its entry,
     a user's rule class `(name, (name, class))`."""
@@ -116,7 +118,9 @@ def _select(names: Sequence[str] | None, users: bool = False) -> list[tuple[str,
         )
     selected: list[tuple[str, Any]] = []
     for n in names:
-        target = by_name.get(n) or verify_target(_import(n, "the rule", "verify"), n)
+        target = by_name.get(n) or verify_target(
+            _import(n, "the rule", command), n, command
+        )
         if isinstance(target, Entry):
             selected.append((target.name, target))
         else:
@@ -182,12 +186,13 @@ def _plot(args: argparse.Namespace) -> int:
         return 2
     paths = []
     # One rule at a time, so that `--verbose` can say which is being drawn.
-    for _, entry in _select(args.names):
+    for name, target in _select(args.names, users=True, command="plot"):
+        rule = target if isinstance(target, Entry) else target[1]
         if args.verbose:
-            _say(f"plotting {entry.name} ...", err=True)
+            _say(f"plotting {name} ...", err=True)
         start = time.perf_counter()
         try:
-            (path,) = plot([entry.name], args.out)
+            (path,) = plot([rule], args.out)
         except (ModuleNotFoundError, ValueError) as e:
             _say(f"eqxrules plot: {e}", err=True)
             return 2
@@ -281,8 +286,13 @@ def _parser() -> argparse.ArgumentParser:
         help="check your own rule or function on random inputs",
         description="Check one callable with eqxrules.testing.check_rule on a "
         "random input: a function, a rule instance, or a rule class (a JVPRule or "
-        "VJPRule subclass, yours or the catalogue's), which is built with its "
-        "defaults. A rule's modes are those it declares.",
+        "VJPRule subclass, yours or the catalogue's, or a catalogue rule's "
+        "function), which is built with its defaults. A rule is checked as verify "
+        "checks an example: against its own reference_forward and "
+        "reference_derivative (or reference_vjp) unless --forward or --derivative "
+        "replaces them, on inputs drawn from its declared domain (one per input, "
+        "for a rule of several), with the Module's parameters as arguments. Its "
+        "modes are those it declares.",
         parents=flags,
     )
     c.add_argument(
@@ -293,7 +303,12 @@ def _parser() -> argparse.ArgumentParser:
         "--derivative",
         help="function whose autodiff derivative the rule's must equal, PKG.MODULE:NAME",
     )
-    c.add_argument("--shape", default="8,4", help="input shape, e.g. 8,4")
+    c.add_argument(
+        "--shape",
+        default=None,
+        help="input shape, e.g. 8,4 (default: a rule's declared domain's; 8,4 for a "
+        "function)",
+    )
     c.add_argument("--dtype", default="float32", help="input dtype, e.g. bfloat16")
     c.add_argument(
         "--seed",
@@ -320,7 +335,12 @@ def _parser() -> argparse.ArgumentParser:
         "otherwise. Needs matplotlib.",
         parents=flags,
     )
-    p.add_argument("names", nargs="*", help="rules to plot (default: all)")
+    p.add_argument(
+        "names",
+        nargs="*",
+        help="rules to plot: catalogue names, or your rule classes as "
+        "PKG.MODULE:NAME (default: the whole catalogue)",
+    )
     p.add_argument(
         "--out",
         default=_PLOTS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools as ft
 import importlib
 import inspect
@@ -13,7 +14,7 @@ from typing import Any, NamedTuple, overload
 import jax
 import jax.numpy as jnp
 
-from ._catalogue import Entry, Rule, catalogue
+from ._catalogue import Rule, catalogue
 from ._cli_output import (
     _LEGEND,
     _SEED_LIMIT,
@@ -24,7 +25,10 @@ from ._cli_output import (
     _say,
     _table,
 )
-from ._cli_user import built_with_defaults, modes_of, rule_class, spec_of
+from ._cli_user import built_with_defaults, modes_of, rule_class
+from ._domain import Args, Inputs
+from ._registry import defines, entry_of
+from ._verify import _NOT_DIFFERENTIABLE, tangent_space
 from .testing import RuleReport, check_rule
 
 
@@ -70,24 +74,26 @@ def _seed(flag: str) -> Callable[[str], int]:
     return parse
 
 
-def _catalogued(obj: Any, spec: str) -> tuple[Entry | None, Rule | None] | None:
-    """The catalogue entry of a functional form, a Module class or an instance of
-    one (with the instance the check calls: a class is built with its defaults).
-    A user's rule class, or an instance of one, is taken the same way, with no
-    entry."""
-    for e in catalogue():
-        if obj is e.function:
-            return e, None
-        if type(obj) is e.module:
-            return e, obj
-        if obj is e.module:
-            return e, built_with_defaults(e.module, spec, "check")
+def _rule_of(obj: Any, spec: str) -> Rule | None:
+    """The rule instance `check` checks, where `obj` is one: an instance (yours or
+    the catalogue's), a rule class (built with its defaults), or the functional
+    form of a catalogue rule (its class, built so). `None` for a plain function."""
+    if isinstance(obj, Rule):
+        return obj
     cls = rule_class(obj)
     if cls is not None:
-        return None, built_with_defaults(cls, spec, "check")
-    if isinstance(obj, Rule):
-        return None, obj
-    return None
+        return built_with_defaults(cls, spec, "check")
+    cls = next((e.module for e in catalogue() if obj is e.function), None)
+    if cls is None:
+        return None
+    try:
+        return cls()
+    except (TypeError, ValueError) as err:
+        raise SystemExit(
+            f"eqxrules check: cannot check `{spec}`: it is the function of "
+            f"`{cls.__name__}`, which cannot be built with its defaults ({err}); "
+            "point at an instance instead"
+        ) from None
 
 
 def _key_parameter(fn: Callable[..., Any]) -> str | None:
@@ -116,50 +122,48 @@ def _with_key(fn: Callable[..., Any] | None, key: Any) -> Callable[..., Any] | N
 
 def _fd_hint(args: argparse.Namespace) -> str:
     return (
-        f"hint: if `{args.rule}` is a straight-through (surrogate) rule, its "
-        "derivative is not the derivative of its value, so finite differences "
-        "cannot check it: pass the surrogate with `--derivative PKG.MODULE:NAME`."
+        f"hint: `{args.rule}`'s value is constant around the input (a step of "
+        "1e-3 changes most of its elements not at all), as a straight-through "
+        "(surrogate) rule's is: its derivative is then not the derivative of its "
+        "value, and finite differences cannot check it. Pass the surrogate with "
+        "`--derivative PKG.MODULE:NAME`."
     )
 
 
+def _constant_around(fn: Callable[..., Any], x: Any) -> bool:
+    """Whether most output elements of `fn` stay exactly the same when every
+    input element moves by about 1e-3: a piecewise-constant value (a sign, a
+    rounding), whose finite differences are 0, not a wrong derivative."""
+    try:
+        step = jax.random.normal(jax.random.key(1), jnp.shape(x), jnp.float32)
+        y0 = jax.tree_util.tree_leaves(fn(x))
+        y1 = jax.tree_util.tree_leaves(fn(x + (1e-3 * step).astype(x.dtype)))
+    except Exception:  # noqa: BLE001  (no hint, then)
+        return False
+    same = sum(int(jnp.sum(a == b)) for a, b in zip(y0, y1))
+    total = sum(int(jnp.size(a)) for a in y0)
+    return total > 0 and same >= total / 2
+
+
 class _Target(NamedTuple):
-    """What `check` checks: the callable, how it takes a key (see
-    `_key_parameter`), and, for a rule, whether it declares forward mode (`None`
-    for a plain function: the checker finds out)."""
+    """What `check` checks: a plain function (`fn`, how it takes a key: see
+    `_key_parameter`), or a rule instance (`rule`, checked as `verify` checks an
+    example: with its own references, as a Module argument, on its domain)."""
 
     fn: Any
     needs: str | None
-    forward_mode: bool | None = None
+    rule: Rule | None = None
 
 
-def _target(args: argparse.Namespace, derivative: Any) -> _Target:
-    """A rule that is not exact is refused without `--derivative`: finite
-    differences, the only check left, would fail for a reason that is no bug."""
-    fn = _import(args.rule, "the rule")
-    found = _catalogued(fn, args.rule)
-    if found is None:
-        return _Target(fn, _key_parameter(fn))
-    entry, instance = found
-    exact = instance.is_exact() if instance is not None else entry and entry.exact
-    if not exact and derivative is None:
-        name = entry.name if entry is not None else args.rule
-        verify = entry.name if entry is not None else spec_of(type(instance))
-        raise SystemExit(
-            f"eqxrules check: `{name}` is not exact: its derivative is a "
-            "straight-through surrogate's, not the derivative of its value, so "
-            "finite differences cannot check it. Pass the surrogate with "
-            "`--derivative PKG.MODULE:NAME`, or run `python -m eqxrules verify "
-            f"{verify}` to check it against its own references."
-        )
-    if instance is None:
-        assert entry is not None
-        return _Target(fn, _key_parameter(fn), entry.forward_mode)
-    forward_mode = type(instance).forward_mode
+def _target(args: argparse.Namespace) -> _Target:
+    obj = _import(args.rule, "the rule")
+    rule = _rule_of(obj, args.rule)
+    if rule is None:
+        return _Target(obj, _key_parameter(obj))
     # Every Module accepts `key=`; whether it needs one is the instance's say (its
     # `primal`'s, or its hyperparameters': `rounding="stochastic"`).
-    if instance.needs_key():
-        return _Target(instance, "required", forward_mode)
-    return _Target(instance, _key_parameter(type(instance).primal), forward_mode)
+    needs = "required" if rule.needs_key() else _key_parameter(type(rule).primal)
+    return _Target(rule, needs, rule)
 
 
 def _modes_problem(declared: bool | None, report: RuleReport) -> list[str]:
@@ -201,17 +205,19 @@ def _rule_key(args: argparse.Namespace, needs: str | None) -> tuple[Any, list[st
     return None, []
 
 
-def _check(args: argparse.Namespace) -> int:
-    forward = _import(args.forward, "`--forward`") if args.forward else None
-    derivative = _import(args.derivative, "`--derivative`") if args.derivative else None
-    fn, needs, declared = _target(args, derivative)
+def _shape(args: argparse.Namespace) -> tuple[int, ...] | None:
+    if args.shape is None:
+        return None
     try:
-        shape = tuple(int(s) for s in args.shape.split(",") if s.strip())
+        return tuple(int(s) for s in args.shape.split(",") if s.strip())
     except ValueError:
         raise SystemExit(
             f"eqxrules check: `--shape` (={args.shape!r}) must be integers "
             "separated by commas, e.g. 8,4"
         ) from None
+
+
+def _dtype(args: argparse.Namespace) -> Any:
     try:
         dtype = jnp.dtype(args.dtype)
     except TypeError:
@@ -223,24 +229,114 @@ def _check(args: argparse.Namespace) -> int:
             "or complex dtype, e.g. float32 or bfloat16: the checks differentiate "
             "the rule"
         )
+    return dtype
+
+
+def _domain(args: argparse.Namespace, rule: Rule, shape: Any) -> Any:
+    """The rule's declared domain, of `--shape` if given (one input's only)."""
+    domain = rule.input_domain()
+    if shape is None:
+        return domain
+    if isinstance(domain, Inputs):
+        names = ", ".join(f"`{n}`" for n in domain.names)
+        raise SystemExit(
+            f"eqxrules check: `--shape` (={args.shape!r}) is one input's shape, but "
+            f"`{args.rule}` takes several ({names}), each of its declared domain's "
+            "shape: leave `--shape` out"
+        )
+    return dataclasses.replace(domain, shape=shape)
+
+
+def _rule_problem(
+    args: argparse.Namespace, rule: Rule, key: Any, forward: Any, derivative: Any
+) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """`check_rule`'s arguments for a rule instance, as `verify` checks one of its
+    examples: the Module as an argument, inputs drawn from its declared domain
+    (several for a rule of several inputs), its own references unless `--forward`
+    or `--derivative` replaces them (each taking the inputs alone), cotangents
+    scaled to either side of its thresholds, tangents in its domain's tangent space, and finite
+    differences where its derivative is the true one."""
+    domain = _domain(args, rule, _shape(args))
+    x = domain.sample(jax.random.key(args.seed), _dtype(args), off_kinks=True)
+    entry = entry_of(type(rule))
+    fn, call_args, refs = entry.check_arguments(
+        rule, x, jax.random.key(0) if key is None else key
+    )
+    cls = type(rule)
+    if forward is not None:
+        refs["forward"] = lambda m, *xs: _with_key(forward, key)(*xs)
+    elif not defines(cls, "reference_forward"):
+        refs.pop("forward")
+    if derivative is not None:
+        refs.pop("reference_vjp", None)
+        refs["derivative"] = lambda m, *xs: _with_key(derivative, key)(*xs)
+    elif not (defines(cls, "reference_derivative") or defines(cls, "reference_vjp")):
+        refs.pop("derivative", None)
+        if not rule.is_exact():
+            raise SystemExit(
+                f"eqxrules check: `{args.rule}` declares no reference derivative "
+                "and is not exact: its derivative is a straight-through "
+                "surrogate's, not the derivative of its value, so finite "
+                "differences cannot check it. Pass the surrogate with "
+                "`--derivative PKG.MODULE:NAME`."
+            )
+    options = dict(
+        finite_differences=rule.is_exact(),
+        cotangent_thresholds=rule.cotangent_thresholds(),
+        tangent_space=tangent_space(domain, isinstance(x, Args)),
+        order=2 if rule.second_order() else 1,
+    )
+    return fn, call_args, {**refs, **options}
+
+
+def _check(args: argparse.Namespace) -> int:
+    forward = _import(args.forward, "`--forward`") if args.forward else None
+    derivative = _import(args.derivative, "`--derivative`") if args.derivative else None
+    fn, needs, rule = _target(args)
     key, notes = _rule_key(args, needs)
-    x = jax.random.normal(jax.random.key(args.seed), shape, jnp.float32).astype(dtype)
+    kwargs: dict[str, Any]
+    if rule is not None:
+        fn, call_args, kwargs = _rule_problem(args, rule, key, forward, derivative)
+        declared: bool | None = type(rule).forward_mode
+    else:
+        shape = _shape(args) or (8, 4)
+        x = jax.random.normal(jax.random.key(args.seed), shape, jnp.float32)
+        x = x.astype(_dtype(args))
+        fn, call_args, declared = _with_key(fn, key), (x,), None
+        kwargs = dict(
+            forward=_with_key(forward, key), derivative=_with_key(derivative, key)
+        )
     try:
         with _no_warnings(args.verbose):
             report: RuleReport = check_rule(
-                _with_key(fn, key),
-                x,
-                forward=_with_key(forward, key),
-                derivative=_with_key(derivative, key),
+                fn,
+                *call_args,
+                **kwargs,
                 raise_on_failure=False,
                 key=jax.random.key(args.seed),
             )
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"eqxrules check: cannot check `{args.rule}`: {e}") from None
-    status = {r.name: r.status for r in report.results}
+        several = (
+            " (`check` gives a function one input, of `--shape`; check one of "
+            "several inputs as a rule declaring them with `eqxrules.Inputs`, or "
+            "call `eqxrules.testing.check_rule` from Python)"
+            if rule is None and "`fn` must take" in str(e)
+            else ""
+        )
+        raise SystemExit(
+            f"eqxrules check: cannot check `{args.rule}`: {e}{several}"
+        ) from None
+    if rule is not None and not rule.second_order():
+        second = report["second_order"]
+        second.status, second.detail = "unsupported", _NOT_DIFFERENTIABLE
+    fd = report["finite_differences"]
     hints = (
         [_fd_hint(args)]
-        if status.get("finite_differences") == "failed" and derivative is None
+        if rule is None
+        and derivative is None
+        and fd.status == "failed"
+        and fd.exception is None
+        and _constant_around(fn, call_args[0])
         else []
     )
     # A rule's modes are those it declares (a JVPRule: both), checked against the
@@ -252,6 +348,7 @@ def _check(args: argparse.Namespace) -> int:
         shown_json = _report_json(args.rule, report, notes + hints, modes, problems)
         _say(json.dumps(shown_json, indent=2))
         return 0 if passed else 1
+    status = {r.name: r.status for r in report.results}
     row = _row(
         args.rule, "+".join(modes), lambda c: status.get(c, "skipped"), report.seconds
     )

@@ -9,7 +9,8 @@ import dataclasses
 from typing import Any
 
 from ._catalogue import Entry, Rule, catalogue
-from ._verify import RuleVerification, combined_status, verify_rule
+from ._verify import combined_status
+from ._verify_rule import RuleVerification, verify_rule
 from .testing import RuleReport
 
 
@@ -39,24 +40,24 @@ def built_with_defaults(rule: type[Rule], spec: str, command: str) -> Rule:
         ) from None
 
 
-def verify_target(obj: Any, spec: str) -> Entry | type[Rule]:
-    """What `verify PKG.MODULE:NAME` verifies: the catalogue entry of a library
-    rule class, or a user's rule class itself."""
+def verify_target(obj: Any, spec: str, command: str = "verify") -> Entry | type[Rule]:
+    """What `verify PKG.MODULE:NAME` (or `plot`) takes: the catalogue entry of a
+    library rule class, or a user's rule class itself."""
     cls = rule_class(obj)
     if cls is not None:
         found = [e for e in catalogue() if e.module is cls]
         return found[0] if found else cls
     if isinstance(obj, Rule):
         raise SystemExit(
-            f"eqxrules verify: {spec!r} is an instance of `{type(obj).__name__}`: "
+            f"eqxrules {command}: {spec!r} is an instance of `{type(obj).__name__}`: "
             f"point at its class ({spec_of(type(obj))}), whose `examples` are "
-            "verified; or check this instance with `python -m eqxrules check "
-            f"{spec}`"
+            f"{'verified' if command == 'verify' else 'used'}; or check this "
+            f"instance with `python -m eqxrules check {spec}`"
         )
     raise SystemExit(
-        f"eqxrules verify: {spec!r} is not a rule class: `verify` takes catalogue "
-        "names, or a subclass of `eqxrules.JVPRule` or `eqxrules.VJPRule` as "
-        "PKG.MODULE:NAME; check a function with `python -m eqxrules check "
+        f"eqxrules {command}: {spec!r} is not a rule class: `{command}` takes "
+        "catalogue names, or a subclass of `eqxrules.JVPRule` or `eqxrules.VJPRule` "
+        f"as PKG.MODULE:NAME; check a function with `python -m eqxrules check "
         f"{spec} --derivative ...`"
     )
 

@@ -1,8 +1,12 @@
 """[`Domain`][]: where a rule's test inputs come from, for `python -m eqxrules`, the
 test suite and [`eqxrules.verify_rule`][]: random points, points that hold every
-kink, and the degenerate inputs where a rule that reduces over an axis goes wrong.
-A rule of several inputs declares one per input ([`Inputs`][], [`Mask`][] for a
-boolean one), and its test inputs are [`Args`][]."""
+kink, the degenerate inputs where a rule that reduces over an axis goes wrong, and
+the extremes of the dtype's range. A rule of several inputs declares one per input
+([`Inputs`][], [`Mask`][] for a boolean one), and its test inputs are [`Args`][].
+
+`Domain` is a small public protocol: a structured domain (the symmetric and
+positive definite matrices, integer labels, the simplex: `_structured`, or a
+user's) subclasses it and overrides its public methods."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from .testing._args import Args as Args, call as call
+from .testing._extremes import magnitudes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,25 @@ class Domain:
         every one of them (`on_kinks`).
     - `shape`: the shape of a test input.
     - `margin`: the distance kept from each kink when sampling off kinks.
+
+    **The protocol.** `verify_rule` and the command line read a domain through
+    these methods only, so a structured domain of your own subclasses `Domain`
+    and overrides them (none is private):
+
+    - `sample(key, dtype, *, off_kinks=True)`: one random input (required);
+    - `project(t)`: a tangent `t` at an input, projected orthogonally onto the
+        directions the input can move in (the identity by default; symmetrised
+        for a symmetric matrix): random tangents are drawn through it, and
+        cotangents compared through it (`check_rule`'s `tangent_space`);
+    - `on_kinks(key, dtype)`: inputs holding every kink (by default, with no
+        kinks, one `sample`);
+    - `degenerate(key, dtype)` and `extremes(key, dtype)`: `(what, input)`
+        pairs. A domain that draws its own `sample` gets none of the box's (a
+        zero matrix is not positive definite) unless it overrides them.
+
+    [`Symmetric`][eqxrules.Symmetric], [`PositiveDefinite`][eqxrules.PositiveDefinite],
+    [`Integers`][eqxrules.Integers] and [`Simplex`][eqxrules.Simplex] are
+    written so.
     """
 
     boolean: ClassVar[bool] = False  # a `Mask`: boolean inputs
@@ -100,12 +124,27 @@ class Domain:
             x = np.where(near, k + np.where(x >= k, 1, -1) * self.margin * 2, x)
         return jnp.asarray(x, dtype=dtype)
 
+    def project(self, t: Array) -> Array:
+        """`t`, a tangent at an input, projected orthogonally onto the directions
+        the input can move in: the identity for a box."""
+        return t
+
+    @property
+    def structured(self) -> bool:
+        """Whether this domain draws its own inputs (a subclass that overrides
+        `sample`: a structured domain), so that the box's degenerate and extreme
+        inputs, and the box's draws in `eqxrules.testing.strategies`, are not
+        its."""
+        return type(self).sample is not Domain.sample
+
     def on_kinks(self, key: PRNGKeyArray, dtype: Any = jnp.float32) -> list[Array]:
         """Random inputs of `self.shape` that together hold every kink exactly
         once: with `n` elements per input, the `i`-th holds kinks `i n` to
         `(i + 1) n - 1` in its leading elements, the rest drawn from `[low, high]`.
-        One input (without a kink) if there are none. However many kinks a rule
+        One input, a `sample`, if there are none. However many kinks a rule
         declares, each is evaluated exactly, at the shape the rule declares."""
+        if not self.kinks:
+            return [self.sample(key, dtype)]
         size = math.prod(self.shape)
         count = max(1, -(-len(self.kinks) // size)) if size else 1
         inputs = []
@@ -127,7 +166,11 @@ class Domain:
         `[low, high]` holds 0); a constant `c` (seven tenths of the way from `low`
         to `high`), and the slice through the first element along every axis `c`;
         and one `inf`, in the first element, the rest random. A rule must agree
-        with its references there as anywhere: where they are finite, so is it."""
+        with its references there as anywhere: where they are finite, so is it.
+        (None for a domain that draws its own `sample`, unless it overrides
+        this.)"""
+        if self.structured:
+            return []
         k_zero, k_const, k_inf = jax.random.split(key, 3)
         c = self.low + 0.7 * (self.high - self.low)
         rank = len(self.shape)
@@ -152,6 +195,27 @@ class Domain:
         with_inf.reshape(-1)[:1] = np.inf
         pairs.append(("a slice holding one inf (the first element)", with_inf))
         return [(what, jnp.asarray(x, dtype=dtype)) for what, x in pairs]
+
+    def extremes(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ) -> list[tuple[str, Array]]:
+        """`(what, input)` pairs of `self.shape` at the ends of `dtype`'s range, with
+        the signs `[low, high]` allows (a range that holds no negative number gets
+        none): every element `±big` (`1e30` for float32 and bfloat16), `±tiny`
+        (`1e-30`) and a quarter of the largest finite value, in random signs;
+        and, where negative numbers are allowed, one `-inf` (the first element)
+        and a slice of `-inf` (through the first element, along the last axis:
+        a masked row). A rule must agree with its references there as anywhere
+        (where they are finite, so is it); an input where the reference value is
+        finite nowhere is outside the rule's domain, and `verify_rule` skips it,
+        saying so. (None for a domain that draws its own `sample`, unless it
+        overrides this.)"""
+        if self.structured:
+            return []
+        return [
+            (what, jnp.asarray(x, dtype=dtype))
+            for what, x in _box_extremes(self, key, dtype)
+        ]
 
 
 class Mask(Domain):
@@ -227,8 +291,22 @@ class Inputs:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape the inputs broadcast to (that of the output, elementwise)."""
-        return tuple(np.broadcast_shapes(*(d.shape for d in self.domains)))
+        """The shape the inputs broadcast to (that of the output, elementwise).
+        Inputs whose shapes do not broadcast (a matrix `W` of `(3, 4)` and a bias
+        `b` of `(3,)`) have none: asking is a `ValueError` naming them; each
+        input's own shape is `domains[i].shape`."""
+        shapes = [d.shape for d in self.domains]
+        try:
+            return tuple(np.broadcast_shapes(*shapes))
+        except ValueError:
+            listed = ", ".join(
+                f"`{n}` {tuple(s)}" for n, s in zip(self.names, shapes, strict=True)
+            )
+            raise ValueError(
+                f"`Inputs`: the shapes of its inputs ({listed}) do not broadcast, "
+                "so they have no common `shape`; each input's own is "
+                "`domains[i].shape`."
+            ) from None
 
     @property
     def margin(self) -> float:
@@ -278,15 +356,59 @@ class Inputs:
     ) -> list[tuple[str, Args]]:
         """Each input's degenerate inputs (`Domain.degenerate`), the other inputs
         drawn off their kinks; described with the input's name."""
+        return self._each(key, dtype, lambda d, k: d.degenerate(k, dtype))
+
+    def extremes(
+        self, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ) -> list[tuple[str, Args]]:
+        """Each input's extremes (`Domain.extremes`), the other inputs drawn off
+        their kinks; described with the input's name."""
+        return self._each(key, dtype, lambda d, k: d.extremes(k, dtype))
+
+    def _each(
+        self, key: PRNGKeyArray, dtype: Any, pairs: Any
+    ) -> list[tuple[str, Args]]:
         k_base, k_own = jax.random.split(key)
         base = self.sample(k_base, dtype)
         out = []
         for i, (name, d) in enumerate(zip(self.names, self.domains, strict=True)):
-            for what, x in d.degenerate(jax.random.fold_in(k_own, i), dtype):
+            for what, x in pairs(d, jax.random.fold_in(k_own, i)):
                 args = list(base)
                 args[i] = x
                 out.append((f"`{name}` {what}", Args(args)))
         return out
+
+    def project(self, t: Args) -> Args:
+        """Each input's tangent projected by its own domain (`Domain.project`)."""
+        return Args(d.project(x) for d, x in zip(self.domains, t, strict=True))
+
+
+def _box_extremes(
+    d: Domain, key: PRNGKeyArray, dtype: Any
+) -> list[tuple[str, np.ndarray]]:
+    k_sign, k_inf, k_row = jax.random.split(key, 3)
+    big, tiny, top = magnitudes(dtype)
+    signed = d.low < 0 < d.high
+    sign = 1.0 if d.low >= 0 else -1.0
+    signs = np.full(d.shape, sign, np.float64)
+    if signed:
+        signs = np.where(np.asarray(jax.random.bernoulli(k_sign, 0.5, d.shape)), 1, -1)
+    mark = "±" if signed else ("+" if sign > 0 else "-")
+    name = jnp.dtype(dtype).name
+    pairs = [
+        (f"every element {mark}{big:g}", signs * big),
+        (f"every element {mark}{tiny:g}", signs * tiny),
+        (f"every element {mark}{top:.4g} (a quarter of {name}'s largest)", signs * top),
+    ]
+    if d.low < 0:
+        with_inf = d._uniform(k_inf)
+        with_inf.reshape(-1)[:1] = -np.inf
+        pairs.append(("one -inf (the first element)", with_inf))
+        if math.prod(d.shape) > 1:  # (a 1-D input is one slice: all of it)
+            row = d._uniform(k_row)
+            row[(0,) * (len(d.shape) - 1)] = -np.inf
+            pairs.append(("a slice of -inf along the last axis (a masked row)", row))
+    return pairs
 
 
 __all__ = ["Args", "Domain", "Inputs", "Mask", "call"]

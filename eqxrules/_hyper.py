@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import core
 
@@ -169,7 +170,10 @@ def _is_number_or_array(v: Any) -> bool:
         return False
     if isinstance(v, (int, float, np.number)):
         return True
-    return isinstance(v, (np.ndarray, jax.Array)) and np.issubdtype(v.dtype, np.number)
+    # `jnp.issubdtype`, not NumPy's: NumPy counts bfloat16 as no number at all.
+    return isinstance(v, (np.ndarray, jax.Array)) and jnp.issubdtype(
+        v.dtype, jnp.number
+    )
 
 
 def _finite_nonzero(v: Any) -> bool:
@@ -205,7 +209,7 @@ float_or_array: Check = Check(
         _is_real(v)
         or (
             isinstance(v, (np.ndarray, jax.Array))
-            and np.issubdtype(v.dtype, np.floating)
+            and jnp.issubdtype(v.dtype, jnp.floating)  # bfloat16 too
         )
     ),
     TypeError,
@@ -277,7 +281,12 @@ def hyperparameter(
         default, *rest = args
         args = tuple(rest)
     if not args or not all(isinstance(c, Check) for c in args):
-        raise TypeError("`hyperparameter`: give a default, then one or more checks.")
+        caller = kwargs.pop("_caller", "hyperparameter")
+        raise TypeError(
+            f"`{caller}`: give a default, then one or more checks (from "
+            f"`eqxrules.checks`), e.g. `{caller}(1.0, positive)`; got {args!r}."
+        )
+    kwargs.pop("_caller", None)
     metadata = {
         "hyperparameter": Declaration(tuple(args), allow_none, positional),
         **kwargs.pop("metadata", {}),
@@ -300,7 +309,12 @@ def parameter(*args: Any, allow_none: bool = False, **kwargs: Any) -> Any:
     """
     metadata = {**kwargs.pop("metadata", {}), "parameter": True}
     return hyperparameter(
-        *args, allow_none=allow_none, static=False, metadata=metadata, **kwargs
+        *args,
+        allow_none=allow_none,
+        static=False,
+        metadata=metadata,
+        _caller="parameter",
+        **kwargs,
     )
 
 

@@ -17,6 +17,7 @@ from jaxtyping import Array
 
 from ._catalogue import Entry, catalogue
 from ._domain import Args, Inputs
+from ._registry import entry_of
 
 _POINTS = 401
 _MISSING = (
@@ -74,18 +75,24 @@ def _curves(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     return grid, np.asarray(value), np.asarray(derivative), label
 
 
-def plot(names: Sequence[str] | None, out: str | pathlib.Path) -> list[pathlib.Path]:
+def plot(
+    names: Sequence[str | type | Entry] | None, out: str | pathlib.Path
+) -> list[pathlib.Path]:
     """Write one PNG per rule to `out`: the value and the derivative of its first
     example on its domain (its kinks on the grid), computed with the rule and `jax.vmap(jax.grad(...))`.
 
     **Arguments:**
 
-    - `names`: catalogue names (e.g. `["ste_sign"]`), or `None` for every rule.
+    - `names`: the rules: catalogue names (e.g. `["ste_sign"]`), catalogue
+        entries, or rule classes, yours or the catalogue's (a `JVPRule` or
+        `VJPRule` subclass, plotted from its first example); `None` for every
+        catalogue rule.
     - `out`: the directory to write to; created if missing.
 
     **Returns:**
 
-    The paths written, `out / f"{name}.png"`, in the order of `names`.
+    The paths written, `out / f"{name}.png"` (a class's functional name), in the
+    order of `names`.
 
     **Raises:**
 
@@ -96,12 +103,16 @@ def plot(names: Sequence[str] | None, out: str | pathlib.Path) -> list[pathlib.P
     """
     entries = {e.name: e for e in catalogue()}
     chosen = list(entries) if names is None else list(names)
-    unknown = [n for n in chosen if n not in entries]
+    unknown = [n for n in chosen if isinstance(n, str) and n not in entries]
     if unknown:
         raise ValueError(
             f"`plot`: unknown rule name(s) {unknown}. Valid names: "
             f"{', '.join(entries)}."
         )
+    chosen_entries = [
+        entries[n] if isinstance(n, str) else n if isinstance(n, Entry) else entry_of(n)
+        for n in chosen
+    ]
     try:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError as e:
@@ -113,8 +124,9 @@ def plot(names: Sequence[str] | None, out: str | pathlib.Path) -> list[pathlib.P
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name in chosen:
-        grid, value, derivative, label = _curves(entries[name])
+    for entry in chosen_entries:
+        name = entry.name
+        grid, value, derivative, label = _curves(entry)
         fig = Figure(figsize=(4.0, 2.8))
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()

@@ -238,7 +238,7 @@ def library_names() -> dict[str, Any]:
     return names
 
 
-def _defines(rule: type, method: str) -> bool:
+def defines(rule: type, method: str) -> bool:
     """Whether `rule` (or a base of its own, not a `Rule` base) defines `method`."""
     owner = next(k for k in rule.__mro__ if method in k.__dict__)
     return owner.__module__ != _BASES
@@ -265,12 +265,12 @@ def missing_parts(rule: type) -> list[str]:
         ),
         ("reference_forward", "`reference_forward` (an independent reference value)"),
     ]
-    missing += [what for method, what in needs if not _defines(rule, method)]
-    if not derivative and "slope" in dir(rule) and not _defines(rule, "tangent"):
+    missing += [what for method, what in needs if not defines(rule, method)]
+    if not derivative and "slope" in dir(rule) and not defines(rule, "tangent"):
         missing.append(
             "a `tangent`: `slope` is read only by `ElementwiseRule` (subclass it)"
         )
-    if not (_defines(rule, "reference_derivative") or _defines(rule, "reference_vjp")):
+    if not (defines(rule, "reference_derivative") or defines(rule, "reference_vjp")):
         missing.append(
             "`reference_derivative` or `reference_vjp` (an independent reference "
             "derivative)"
@@ -354,7 +354,9 @@ class Entry:
         # reports name them as the signatures do: `m`, then `x` or each input's.
         several = isinstance(x, Args)
         args = tuple(x) if several else (x,)
-        names = rule.input_domain().names if several else ("x",)
+        # One input is named as `primal` names it (`A`), `x` where it says not.
+        own = primal_arity(type(rule)) or ("x",)
+        names = rule.input_domain().names if several else own[:1]
         params = [
             inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
             for n in ("m", *names)
@@ -377,7 +379,7 @@ def _entry(rule: Any, function: Callable[..., Any] | None = None) -> Entry:
         exact=rule.exact,
         elementwise=rule.elementwise,
         domain=rule.domain.with_kinks(sorted(kinks)),
-        reference_vjp=_defines(rule, "reference_vjp"),
+        reference_vjp=defines(rule, "reference_vjp"),
     )
 
 

@@ -170,7 +170,7 @@ PROTOCOL = (
     "functional_name fwd higher_order input_domain invalid_hyperparameters is_exact "
     "kinks primal pytree_input reference_derivative reference_forward reference_vjp "
     "rule_name summary tangent slope shape_cotangent block check_length "
-    "constant_on_non_negative needs_key"
+    "constant_on_non_negative needs_key second_order cotangent_thresholds"
 ).split()
 _NO_MEMBERS = f'    options:\n      filters: ["!^_", "!^({"|".join(PROTOCOL)})$"]'
 _NEGATIVE_FILTER = re.compile(r'"!([^"]+)"')

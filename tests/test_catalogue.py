@@ -221,8 +221,12 @@ def test_entry_passes_check_rule(entry, index):
     assert result.passed, "\n".join(result.failures())
     for report in result.reports:
         expected = "passed" if entry.forward_mode else "unsupported"
-        assert report["jvp"].status == expected
-        assert report["vjp"].status == "passed"
+        # (At an extreme input outside the references' domain a check is skipped,
+        # and `result.skipped` says so.)
+        outside = "outside the rule's domain"
+        for name, want in (("jvp", expected), ("vjp", "passed")):
+            got = report[name]
+            assert got.status == want or outside in got.detail, (name, got)
     if result.examples[0].is_exact():
         assert result.status("finite_differences") == "passed"
 

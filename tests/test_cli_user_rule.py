@@ -161,14 +161,15 @@ def test_check_a_declared_mode_the_rule_lacks_fails(capsys, user):
     assert "the rule does not support it" in out
 
 
-def test_check_a_user_class_needs_a_derivative_or_verify(user):
-    with pytest.raises(SystemExit) as e:
-        _cli.main(["check", f"{user}:MyRule"])
-    assert f"`{user}:MyRule` is not exact" in str(e.value)
-    assert f"python -m eqxrules verify {user}:MyRule`" in str(e.value)
-    with pytest.raises(SystemExit) as e:  # an instance: verify its class
-        _cli.main(["check", f"{user}:my_rule"])
-    assert f"python -m eqxrules verify {user}:MyRule`" in str(e.value)
+def test_check_a_user_class_uses_its_own_references(capsys, user):
+    """A class and an instance are checked against their own references, with no
+    `--derivative` (0.3 refused a rule that is not exact without one)."""
+    code, out = _run(capsys, "check", f"{user}:MyRule")
+    assert code == 0 and out.rstrip().endswith("passed"), out
+    code, out = _run(capsys, "check", f"{user}:my_rule")
+    assert code == 0, out
+    code, out = _run(capsys, "check", f"{user}:Twice")  # planted: 2x the reference
+    assert code == 1 and "check `vjp` failed" in out
     with pytest.raises(SystemExit, match="cannot be built with its defaults"):
         _cli.main(["check", f"{user}:NeedsArgs", "--derivative", f"{user}:surrogate"])
 

@@ -96,3 +96,21 @@ def test_a_part_that_raises_fails_only_its_checks(part):
     else:  # a custom_vjp has no forward mode: reverse mode passes all the same
         assert report.passed, report
         assert report["jvp"].status == "unsupported"
+
+
+def test_the_problem_and_the_core_import_one_way():
+    """`_problem` builds its parts from `_core`; the core reads the problem through
+    a `Protocol`, never importing it, not even for type checking (issue 40 §5:
+    the one loop in the package, `_problem` <-> `_core`)."""
+    import pathlib
+
+    from test_imports import find_cycle, import_graph
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "eqxrules"
+    graph = import_graph(root, module_level=False)  # deferred and TYPE_CHECKING too
+    assert "eqxrules.testing._core" in graph["eqxrules.testing._problem"]
+    assert "eqxrules.testing._problem" not in graph["eqxrules.testing._core"]
+    assert find_cycle(graph) is None
+    # Planted: the 0.3 import back, under `TYPE_CHECKING`, is a loop.
+    graph["eqxrules.testing._core"].add("eqxrules.testing._problem")
+    assert find_cycle(graph) is not None

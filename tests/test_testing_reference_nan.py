@@ -67,8 +67,11 @@ def test_a_zero_cotangent_may_give_nan_only_where_the_reference_does():
     cbrt.defjvp(lambda p, t: (jnp.cbrt(p[0]), t[0] / (3 * jnp.cbrt(p[0]) ** 2)))
     x = jnp.array([0.0, 1.0, -8.0])
     default = check_rule(cbrt, x, derivative=jnp.cbrt, raise_on_failure=False)
-    assert default.failed == ["zero_cotangent"]
-    report = check_rule(cbrt, x, derivative=jnp.cbrt, where_reference_nan="any")
+    # (`transpose`'s two inner products are infinite: it compared nothing.)
+    assert default.failed == ["transpose", "zero_cotangent"]
+    report = check_rule(
+        cbrt, x, derivative=jnp.cbrt, where_reference_nan="any", skip=("transpose",)
+    )
     assert report["zero_cotangent"].status == "passed"
     # Planted: NaN from a zero cotangent where the reference's is 0.
     nan_at_zero = _rule(lambda x: 1.0 / jnp.where(x == 0, 0.0, 1.0) * 0.0 + 1.0)

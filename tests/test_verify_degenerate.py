@@ -175,7 +175,10 @@ class SafeNorm(NaiveNorm):
         (x,), (t,) = args, t_args
         if t is None:
             return None
-        return jnp.sum(x * t, axis=-1) / jnp.where(out == 0, 1.0, out)
+        # 0 where the norm is 0, also where x x underflows (x = 1e-30): there
+        # `<x, t>` alone would be right to first order but not to second.
+        zero = out == 0
+        return jnp.where(zero, 0.0, jnp.sum(x * t, axis=-1) / jnp.where(zero, 1.0, out))
 
 
 def test_a_naive_norm_is_caught_at_a_zero_row():

@@ -44,11 +44,16 @@ def test_a_correct_rule_passes_and_stays_out_of_the_catalogue():
     before = eqxrules.catalogue()
     result = verify_rule(Scale)
     assert result.passed and result.problems == []
-    # Two examples, each at its kinks, at each degenerate input and (exact) off
-    # its kinks with finite differences.
+    # Two examples, each at a random input (no kinks), at each degenerate and
+    # extreme input, and off its kinks with finite differences (exact) and at
+    # second order.
     degenerate = len(Scale.domain.degenerate(jax.random.key(0)))
-    assert degenerate == 5
-    assert len(result.reports) == 2 * (1 + degenerate + 1)
+    extremes = len(Scale.domain.extremes(jax.random.key(0)))
+    assert (degenerate, extremes) == (5, 5)
+    assert len(result.reports) == 2 * (1 + degenerate + extremes + 2)
+    labels = [label for label, _ in result.reports]
+    assert labels[0] == "example 0 (Scale()) at a random input (it declares no kinks)"
+    assert not any("at its kinks" in label for label in labels)
     assert all(r.passed for _, r in result.reports)
     assert "passed" in str(result)
     assert eqxrules.catalogue() == before
@@ -161,3 +166,38 @@ def test_moved_from_eqxrules_testing_says_where(name):
     with pytest.raises(AttributeError, match=rf"moved to `eqxrules\.{name}`"):
         getattr(eqxrules.testing, name)
     assert not hasattr(eqxrules.testing, name)
+
+
+class _Transposed(eqxrules.JVPRule):
+    r"""Planted: the transpose of a matrix, $Y = A^\top$, with a derivative that
+    forgets to transpose. Its argument is `A`, and failures name it so (0.3
+    reported every rule's argument as `x`)."""
+
+    summary: ClassVar[str] = "Aᵀ, derivative untransposed"
+    elementwise: ClassVar[bool] = False
+    domain: ClassVar[eqxrules.Domain] = eqxrules.Domain(shape=(3, 3))
+
+    def primal(self, A):
+        return A.T
+
+    def tangent(self, args, t_args, t_self, out):
+        return t_args[0]
+
+    def reference_forward(self, A):
+        return jnp.swapaxes(A, 0, 1)
+
+    def reference_derivative(self, A):
+        return jnp.swapaxes(A, 0, 1)
+
+
+def test_a_failure_names_the_argument_as_primal_does():
+    result = verify_rule(_Transposed, raise_on_failure=False)
+    assert any("check `vjp` failed at `A`" in p for p in result.problems), result
+    assert not any("at `x`" in p for p in result.problems)
+
+
+def test_parameter_without_a_check_names_parameter():
+    with pytest.raises(TypeError, match=r"^`parameter`: give a default, then one"):
+        eqxrules.parameter()
+    with pytest.raises(TypeError, match=r"^`hyperparameter`: give a default"):
+        eqxrules.hyperparameter(1.0)

@@ -191,6 +191,9 @@ class ClipGradient(_CotangentRule):
     def shape_cotangent(self, cotangent: PyTree) -> PyTree:
         return _leafwise(lambda c: jnp.clip(c, self.lo, self.hi), cotangent)
 
+    def cotangent_thresholds(self) -> tuple[float, ...]:
+        return (self.lo, self.hi)
+
     def reference_vjp(self, cotangent: PyTree, x: PyTree) -> tuple[Any, PyTree]:
         ct = jtu.tree_map(
             lambda c: jnp.minimum(jnp.maximum(c, self.lo), self.hi), cotangent
@@ -232,6 +235,9 @@ class ClipGradientNorm(_CotangentRule):
     max_norm: float = hyperparameter(positive, positional=True)
 
     summary: ClassVar[str] = "identity; cotangent rescaled to global norm <= `max_norm`"
+
+    def cotangent_thresholds(self) -> tuple[float, ...]:
+        return (self.max_norm,)
 
     def shape_cotangent(self, cotangent: PyTree) -> PyTree:
         squared = _squared_norm(cotangent)

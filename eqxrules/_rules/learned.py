@@ -228,7 +228,10 @@ class LSQ(JVPRule):
             return None
         qn, qp = self._levels()
         w, s, b = self._params(x)
-        u = (x.astype(w) if b is None else x.astype(w) - b) / s
+        # `u` is held constant in this tangent (as in the reference): the step's
+        # derivative `round(u) - u` is the paper's straight-through value, whose
+        # own derivative (second order) is 0, not that of `-u`.
+        u = jax.lax.stop_gradient((x.astype(w) if b is None else x.astype(w) - b) / s)
         inside = (u > -qn) & (u < qp)
         terms = []
         if t_x is not None:

@@ -106,8 +106,14 @@ class ScaledModel(JVPRule):
                 (self.sub_model, self.scale, x),
                 (t_sub, t_scale, t_x),
             )
-        u = x / self.scale
+        # The point `x / scale`, moving as the mode says `x` moves it (as the
+        # reference has it): with `x` itself under "skip_scale", not at all under
+        # "stop_input". Its value is `x / scale` exactly (`x - sg(x)` is 0); only
+        # a derivative of this tangent (second order) sees the difference.
+        sg = jax.lax.stop_gradient
+        u = sg(x / self.scale)
         if self.mode == "skip_scale":
+            u = u + (x - sg(x))
             return partial_jvp(
                 lambda sub, u: call_with_key(sub, u, key),
                 (self.sub_model, u),

@@ -17,6 +17,7 @@ checks that need it (`_programs`).
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import time
 import warnings
@@ -33,7 +34,8 @@ from ._checks import (
     _Raised,
 )
 from ._compare import DEFAULT_TOLERANCES as DEFAULT_TOLERANCES, _Failure
-from ._problem import _is_reverse_only_error, _Problem
+from ._options import _is_reverse_only_error
+from ._problem import TangentSpace, _Problem
 from ._report import (
     CheckResult as CheckResult,
     RuleCheckError as RuleCheckError,
@@ -52,10 +54,55 @@ def _check_signature(name: str, f: Callable[..., Any], args: tuple[Any, ...]) ->
     try:
         sig.bind(*args)
     except TypeError as e:
+        what = (
+            "must take the arguments given after it"
+            if name == "fn"
+            else "must take the same arguments as `fn`"
+        )
         raise TypeError(
-            f"`check_rule`: `{name}` must take the same arguments as `fn` "
-            f"({len(args)} positional), but binding them failed: {e}"
+            f"`check_rule`: `{name}` {what} ({len(args)} positional: `*args`), but "
+            f"binding them to its signature `{sig}` failed: {e}"
         ) from None
+
+
+def _check_tangent_space(tangent_space: Any, n: int) -> TangentSpace:
+    if tangent_space is None or callable(tangent_space):
+        return tangent_space
+    if isinstance(tangent_space, (list, tuple)):
+        if len(tangent_space) != n:
+            raise ValueError(
+                f"`check_rule`: `tangent_space` gives {len(tangent_space)} "
+                f"projection(s) but there are {n} argument(s): give one per "
+                "argument (`None` for an unconstrained one), or one function for all."
+            )
+        bad = [s for s in tangent_space if s is not None and not callable(s)]
+        if not bad:
+            return tuple(tangent_space)
+    raise TypeError(
+        "`check_rule`: `tangent_space` must be a function (a projection onto the "
+        "arguments' tangent space) or a tuple of one such function or `None` per "
+        f"argument, not {type(tangent_space).__name__} (={tangent_space!r})."
+    )
+
+
+def _check_scales(values: Any, name: str = "cotangent_scales") -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Collection):
+        raise TypeError(
+            f"`check_rule`: `{name}` must be a tuple of positive numbers, not "
+            f"{type(values).__name__} (={values!r})."
+        )
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(
+                f"`check_rule`: `{name}` must hold numbers, but holds {v!r} of "
+                f"type {type(v).__name__}."
+            )
+        if name == "cotangent_scales" and not (math.isfinite(v) and float(v) > 0):
+            raise ValueError(
+                f"`check_rule`: `{name}` (={tuple(values)!r}) must hold finite "
+                f"positive numbers, not {v!r}."
+            )
+    return tuple(float(v) for v in values)
 
 
 def _check_names(name: str, value: Any) -> frozenset[str]:
@@ -192,6 +239,7 @@ def _run(
     atol: float | None,
     options: _Options,
     selected: frozenset[str],
+    tangent_space: TangentSpace,
 ) -> RuleReport:
     start = time.perf_counter()
     try:
@@ -205,6 +253,7 @@ def _run(
             rtol,
             atol,
             options.modes,
+            tangent_space,
         )
     except TypeError as e:
         if "nothing to differentiate" in str(e):
@@ -258,6 +307,9 @@ def check_rule(
     checks: Sequence[str] | None = None,
     skip: Sequence[str] | None = None,
     where_reference_nan: str = "nan",
+    cotangent_scales: Sequence[float] = (1e-3, 1.0, 1e3),
+    cotangent_thresholds: Sequence[float] = (),
+    tangent_space: TangentSpace = None,
 ) -> RuleReport:
     r"""Check a custom derivative rule against references, one check at a time.
 
@@ -309,18 +361,43 @@ def check_rule(
     - `order`: `1`, or `2` to also check second derivatives (`second_order`),
         against plain autodiff through `derivative`'s VJP, through `reference_vjp`,
         or (for a true derivative with neither) through `forward`. Only for rules
-        that declare their higher derivatives.
+        that declare their higher derivatives. With `2`, the checks' shared
+        program computes the second derivatives even where `second_order` is not
+        selected (so that calls at several inputs, with and without it, share
+        one program).
     - `checks`: the names (of [`CHECKS`][]) of the checks to run; the others are
-        reported `"skipped"`, "not selected", and cost nothing.
+        reported `"skipped"`, "not selected", and (but for the second derivatives
+        under `order=2`) cost nothing.
     - `skip`: the names of the checks to leave out. Give `checks` or `skip`, not
         both.
     - `where_reference_nan`: what the rule must give where a reference is NaN:
         `"nan"` (NaN too, the default) or `"any"` (anything: the reference says
-        nothing there). With `"any"`, an element a reference gives as finite must
-        still be finite and match, and a zero cotangent may give NaN only where
-        the reference's own VJP of it does. For inputs where a reference's formula
-        breaks down though the rule need not (a norm's derivative at a slice
-        holding inf): [`eqxrules.verify_rule`][] checks its degenerate slices so.
+        nothing there). With `"any"`, a derivative may also be anything where the
+        reference's derivative is infinite (its own arithmetic overflowing at an
+        extreme input, where the rule's need not; an infinite value is still
+        compared); an element a reference gives as finite must still be finite
+        and match, and a zero cotangent may give NaN only where the reference's
+        own VJP of it does. For inputs where a reference's formula breaks down
+        though the rule need not (a norm's derivative at a slice holding inf):
+        [`eqxrules.verify_rule`][] checks its degenerate and extreme inputs so.
+    - `cotangent_scales`: the `vjp` check compares the rule's cotangents with the
+        reference's for the random cotangent times each of these (the absolute
+        tolerance scaled alike): a backward pass that is not linear in its
+        cotangent (a clipped gradient) is then tried on both sides of its
+        thresholds, and any other for overflow and underflow.
+    - `cotangent_thresholds`: where your rule's backward pass changes with the
+        size of its cotangent (a clipping level, `max_norm`): `vjp` also scales
+        the cotangent so that its largest element lies at half and twice each,
+        and its norm at 0.9 and 1.1 times each, so that a threshold 10% out of
+        place (or compared the wrong way) is seen from either side.
+    - `tangent_space`: for arguments confined to a subspace (a symmetric matrix,
+        a probability vector), a function projecting a tangent of the argument
+        onto that subspace, orthogonally (linear, idempotent and self-adjoint:
+        `lambda t: (t + t.T) / 2`, `lambda t: t - t.mean(-1, keepdims=True)`), or
+        a tuple of one such function (or `None`) per argument. Every random
+        tangent and finite-difference direction is projected, and so is every
+        cotangent before it is compared: a cotangent is defined only up to the
+        directions the argument cannot move in.
 
     **Returns:**
 
@@ -339,10 +416,10 @@ def check_rule(
     reverse-mode checks with that cause named, not JAX's bare error.
     `ValueError` or `TypeError` for arguments of the wrong value or type.
     """
+    _check_signature("fn", fn, args)
     for name, ref in (("forward", forward), ("derivative", derivative)):
         if ref is not None:
             _check_signature(name, ref, args)
-    _check_signature("fn", fn, args)
     bad_modes = set(modes) - {"fwd", "rev"}
     if bad_modes or not modes:
         raise ValueError(
@@ -360,6 +437,9 @@ def check_rule(
             f"`check_rule`: `where_reference_nan` (={where_reference_nan!r}) must be "
             "'nan' (the rule is NaN where a reference is) or 'any' (unchecked there)."
         )
+    scales = _check_scales(cotangent_scales)
+    thresholds = _check_scales(cotangent_thresholds, "cotangent_thresholds")
+    tangent_space = _check_tangent_space(tangent_space, len(args))
     if finite_differences is None:
         finite_differences = derivative is None and reference_vjp is None
     options = _Options(
@@ -368,6 +448,8 @@ def check_rule(
         num_directions=num_directions,
         order=int(order),
         unchecked_nan=where_reference_nan == "any",
+        cotangent_scales=scales,
+        cotangent_thresholds=thresholds,
     )
 
     # Warnings raised while checking are the rule's (the checker's own arithmetic
@@ -385,6 +467,7 @@ def check_rule(
             atol,
             options,
             selected,
+            tangent_space,
         )
     seen: dict[tuple[Any, ...], warnings.WarningMessage] = {}
     for w in caught:

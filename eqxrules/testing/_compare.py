@@ -118,15 +118,24 @@ def _compare(
     floor: str | None = None,
     inputs: Inputs | None = None,
     unchecked_nan: bool = False,
+    unchecked_inf: bool = False,
+    atol_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Fail (raise `_Failure`) unless every leaf agrees. Returns the figures: the
-    leaf with the largest absolute error, and its worst element.
+    leaf with the largest absolute error, and its worst element, and `compared`,
+    how many elements were compared (both sides finite).
 
     `prefix` names a leaf by its path: a string is followed by the path
     (`"jvp(out)['a']"`), a function gives the whole name. A failure at an element
     carries `inputs` there, if given. NaN must be where `expected` has NaN, and
     only there; with `unchecked_nan`, an element where `expected` is NaN is not
-    compared (the reference says nothing there), and NaN elsewhere still fails."""
+    compared (the reference says nothing there), and NaN elsewhere still fails.
+    With `unchecked_inf` too, an element where `expected` is infinite is not
+    compared either (a reference's derivative overflowing where the rule's need
+    not). Where `expected` is finite, `actual` must be too. A comparison that compares
+    no element (none finite on both sides) fails: it would pass whatever the
+    rule gave. `atol_scale` multiplies the absolute tolerance (for values scaled
+    by it)."""
     name = prefix if callable(prefix) else (lambda path: prefix + jtu.keystr(path))
     a_leaves, a_def = jtu.tree_flatten_with_path(actual, is_leaf=_is_none)
     e_leaves, e_def = jtu.tree_flatten_with_path(expected, is_leaf=_is_none)
@@ -143,6 +152,7 @@ def _compare(
     worst: dict[str, Any] = dict(
         path="", max_abs_error=0.0, max_rel_error=0.0, rtol=0.0, atol=0.0
     )
+    compared, elements = 0, 0
     for (path, a), (_, e), s in zip(a_leaves, e_leaves, s_leaves):
         where = name(path)
         if a is None or e is None:
@@ -165,29 +175,55 @@ def _compare(
         if floor is not None:
             fr, ft_ = _tolerance(floor, rtol, atol)
             r, t = max(r, fr), max(t, ft_)
+        t *= atol_scale
         complex_ = jnp.issubdtype(jnp.result_type(a), jnp.complexfloating)
         wide = (np.complex128 if complex_ else np.float64) if _x64() else np.float32
         an = np.asarray(a).astype(wide)
         en = np.asarray(e).astype(an.dtype)
         sn = np.abs(en) if s is None else np.abs(np.asarray(s)).astype(np.float64)
         a_nan, e_nan = np.isnan(an), np.isnan(en)
-        mismatch = (a_nan & ~e_nan) if unchecked_nan else (a_nan != e_nan)
+        silent = e_nan | (np.isinf(en) if unchecked_inf else False)
+        mismatch = (a_nan & ~silent) if unchecked_nan else (a_nan != e_nan)
         if np.any(mismatch):
-            which = (
-                "NaN where the reference is finite"
-                if np.any(a_nan & ~e_nan)
-                else "finite where the reference is NaN"
-            )
-            flat = int(np.argmax(mismatch.reshape(-1)))
+            rule_nan = a_nan & ~e_nan
+            flat = int(np.argmax((rule_nan if np.any(rule_nan) else mismatch).ravel()))
+            there = en.reshape(-1)[flat]
+            if not np.any(rule_nan):
+                finite = np.isfinite(an.reshape(-1)[flat])
+                which = f"{'' if finite else 'in'}finite where the reference is NaN"
+            elif np.isfinite(there):
+                which = "NaN where the reference is finite"
+            else:
+                which = "NaN where the reference is infinite"
             element = _element(an, en, flat)
             raise _failure(
                 which, inputs, path, an.shape, path=where, rtol=r, atol=t, **element
             )
+        lost = np.isinf(an) & np.isfinite(en)
+        if np.any(lost):
+            flat = int(np.argmax(lost.reshape(-1)))
+            element = _element(an, en, flat)
+            raise _failure(
+                "infinite where the reference is finite",
+                inputs,
+                path,
+                an.shape,
+                path=where,
+                rtol=r,
+                atol=t,
+                max_abs_error=float("inf"),
+                max_rel_error=float("inf"),
+                **element,
+            )
+        both = np.isfinite(an) & np.isfinite(en)
+        compared += int(both.sum())
+        elements += an.size
         same_inf = np.isinf(an) & (an == en)
-        err = np.where(a_nan | e_nan | same_inf, 0.0, np.abs(an - en))
+        err = np.where(a_nan | silent | same_inf, 0.0, np.abs(an - en))
         err = np.where(np.isnan(err), np.inf, err)
         bound = t + r * np.where(np.isinf(sn), 0.0, sn)
         rel = np.where(np.abs(en) > 0, err / np.abs(en), np.where(err > 0, np.inf, 0))
+        rel = np.where(np.isnan(rel), np.inf, rel)  # inf / inf: no relative error
         abs_max = float(err.max()) if err.size else 0.0
         rel_max = float(rel.max()) if rel.size else 0.0
         bad = err > bound
@@ -208,15 +244,28 @@ def _compare(
                 an.shape,
                 **figures,
             )
-    return worst
+    if elements and not compared:
+        raise _Failure(
+            f"nothing compared: of {elements} element(s), none is finite in both "
+            "the rule's values and the reference's (NaN or infinite wherever the "
+            "reference is), so the comparison would pass whatever the rule gave",
+            path=name(()),
+            compared=0,
+        )
+    return {**worst, "compared": compared}
 
 
 @np.errstate(all="ignore")
 def _vdot(a: Any, b: Any) -> tuple[float, float]:
-    """`<a, b>` over all inexact leaves, in float64 NumPy, and `sum |a * b|`."""
+    """`<a, b>` over the inexact leaves the two trees hold at the same path, in
+    float64 NumPy, and `sum |a * b|`. Leaves are paired by their path, never by
+    position: `None` and integer leaves (dropped on one side, kept as float0 on
+    the other) cannot shift the pairing."""
+    others = dict(jtu.tree_flatten_with_path(b, is_leaf=_is_none)[0])
     total, scale = 0.0, 0.0
-    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)):
-        if not eqx.is_inexact_array(x):
+    for path, x in jtu.tree_flatten_with_path(a, is_leaf=_is_none)[0]:
+        y = others.get(path)
+        if not (_is_inexact(x) and _is_inexact(y)):
             continue
         xy = np.asarray(x, np.float64) * np.asarray(y, np.float64)
         total += float(xy.sum())
@@ -230,12 +279,15 @@ def _identity(
 ) -> tuple[bool | None, dict[str, Any]]:
     """Whether `lhs` (a sum of products whose absolute values sum to `s1`) equals
     `rhs` within `atol + rtol * (s1 + s2)` (`None` if neither side is finite: the
-    identity then says nothing), and the figures."""
+    identity then compares nothing), and the figures."""
+    error = abs(lhs - rhs)
+    relative = error / max(abs(lhs), 1e-30)
     figures.update(
-        max_abs_error=abs(lhs - rhs),
-        max_rel_error=abs(lhs - rhs) / max(abs(lhs), 1e-30),
+        max_abs_error=float("inf") if np.isnan(error) else error,
+        max_rel_error=float("inf") if np.isnan(relative) else relative,
         actual=rhs,
         expected=lhs,
+        compared=int(bool(np.isfinite(lhs) and np.isfinite(rhs))),
     )
     if not (np.isfinite(lhs) or np.isfinite(rhs)):
         return None, figures

@@ -14,22 +14,59 @@ each entry's kinks and degenerate slices reuse the first call's program.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
-from . import _programs
-
-if TYPE_CHECKING:
-    from ._problem import _Problem
+from . import _programs, _reuse
+from ._options import _is_reverse_only_error
 
 
-def _is_reverse_only_error(e: BaseException) -> bool:
-    msg = str(e)
-    return (
-        "can't apply forward-mode autodiff" in msg
-        or "supports reverse mode only" in msg
-    )
+class _Source(Protocol):
+    """What the core reads of a `check_rule` problem (`_problem._Problem`): the
+    point, the random directions, the rule and its references as functions of the
+    differentiable leaves, and what is known of forward mode. The core knows the
+    problem through this only, so that the imports run one way: `_problem` builds
+    its parts from `_core`."""
+
+    diff: Any
+    t: Any
+    ct: Any
+    u: Any
+    options: Any
+    modes: tuple[str, ...]
+    forward: Callable[..., Any] | None
+    derivative: Callable[..., Any] | None
+    _forward_traceable: bool
+    _forward_mode: bool | None
+    _forward_error: BaseException | None
+    _core: Any
+    _core_names: frozenset[str]
+    fn: Callable[..., Any]
+    reference_vjp: Callable[..., Any] | None
+    static: Any
+    spaces: tuple[Any, ...]
+    _core_memo: tuple[tuple[Any, ...], Any] | None
+
+    @property
+    def forward_mode_known(self) -> bool: ...
+
+    @property
+    def has_reference(self) -> bool: ...
+
+    def f(self, d: Any) -> Any: ...
+
+    def g(self, d: Any) -> Any: ...
+
+    def forward_at(self, d: Any) -> Any: ...
+
+    def combine(self, d: Any) -> tuple[Any, ...]: ...
+
+    def jvp(self, d: Any, t: Any, fn: Callable[[Any], Any] | None = None) -> Any: ...
+
+    def vjp(self, d: Any, ct: Any, fn: Callable[[Any], Any] | None = None) -> Any: ...
+
+    def reference_cotangent(self, d: Any, ct: Any) -> Any: ...
 
 
 Parts = dict[str, Callable[[Any, Any, Any, Any], Any]]
@@ -61,16 +98,25 @@ def needed(selected: frozenset[str]) -> frozenset[str]:
     return frozenset().union(*(_NEEDS.get(name, frozenset()) for name in selected))
 
 
-def parts(p: _Problem, forward: bool) -> Parts:
+def wanted(p: _Source) -> frozenset[str]:
+    """The parts `p`'s core computes: those its selected checks read, and with
+    `order=2` the second derivatives whether `second_order` is selected or not
+    (so that the calls `verify` makes at one example's inputs, with and without
+    it, share one program)."""
+    options, selected = p.options or (None, frozenset(_NEEDS))
+    second = _SECOND if options is not None and options.order >= 2 else frozenset()
+    return needed(selected) | second
+
+
+def parts(p: _Source, forward: bool) -> Parts:
     """The core's parts, by name, each a function of `(d, t, ct, u)`: the point,
     a tangent, a cotangent and (for the VJP of the VJP) a second cotangent. Only
-    those a selected check reads."""
-    _, selected = p.options or (None, frozenset(_NEEDS))
-    wanted = needed(selected)
-    return {name: fn for name, fn in _parts(p, forward).items() if name in wanted}
+    those `wanted`."""
+    names = wanted(p)
+    return {name: fn for name, fn in _parts(p, forward).items() if name in names}
 
 
-def _parts(p: _Problem, forward: bool) -> Parts:
+def _parts(p: _Source, forward: bool) -> Parts:
     out: Parts = {"out": lambda d, t, ct, u: p.f(d)}
     if p.forward is not None and p._forward_traceable:
         out["forward"] = lambda d, t, ct, u: p.forward_at(d)
@@ -83,11 +129,10 @@ def _parts(p: _Problem, forward: bool) -> Parts:
     out["vjp"] = lambda d, t, ct, u: p.vjp(d, ct)
     if p.has_reference:
         out["reference_vjp"] = lambda d, t, ct, u: p.reference_cotangent(d, ct)
-    options, selected = p.options or (None, frozenset())
+    options, _ = p.options or (None, frozenset())
     if (
         options is not None
         and options.order >= 2
-        and "second_order" in selected
         and (p.has_reference or p.forward is not None)
     ):
         for name, make in _SECOND_ORDER.items():
@@ -97,7 +142,7 @@ def _parts(p: _Problem, forward: bool) -> Parts:
     return out
 
 
-def _reference(p: _Problem) -> Callable[[Any, Any], Any]:
+def _reference(p: _Source) -> Callable[[Any, Any], Any]:
     """What the rule's VJP is differentiated against for second derivatives: the
     reference's cotangent, or else (a true derivative) the VJP of `forward`."""
     if p.has_reference:
@@ -107,7 +152,7 @@ def _reference(p: _Problem) -> Callable[[Any, Any], Any]:
     return lambda d, ct: p.vjp(d, ct, lambda d: forward(*p.combine(d)))
 
 
-def second_order(p: _Problem, part: str) -> Callable[..., Any]:
+def second_order(p: _Source, part: str) -> Callable[..., Any]:
     """`part` of the second derivatives: `jvp_of_vjp` or `vjp_of_vjp` of the rule
     (or `reference_` them), called as `(d, ct, t)` or `(d, ct, u)`."""
     name = part.removeprefix("reference_")
@@ -123,7 +168,7 @@ def _second(fn: Callable[[Any, Any, Any], Any], name: str) -> Callable[..., Any]
     return lambda d, t, ct, u: fn(d, ct, u)
 
 
-def program(p: _Problem, forward: bool) -> _programs.Program:
+def program(p: _Source, forward: bool) -> _programs.Program:
     """The core with or without its forward-mode parts, lowered at the point."""
     named = parts(p, forward)
     core = _programs.jit(
@@ -134,11 +179,33 @@ def program(p: _Problem, forward: bool) -> _programs.Program:
     return core
 
 
-def build(p: _Problem) -> _programs.Program | None:
+def build(p: _Source) -> _programs.Program | None:
     """The problem's core, or `None` where it cannot be built: the parts are then
     their own programs (as they are once it has raised), so that a rule raising
     in one part fails only the checks that use it. Building it finds out whether
-    the rule has forward mode."""
+    the rule has forward mode. Inside `_reuse.reusing()`, an earlier problem's
+    core of the same functions and shapes, untraced."""
+    k = _reuse.key(p, "core", wanted(p))
+    found = _reuse.get(k)
+    if found is not None and "core" in found:
+        p._core_names = found["names"]
+        p._forward_mode, p._forward_error = found["forward_mode"]
+        p._forward_traceable = found["traceable"]
+        return found["core"]
+    core = _build(p)
+    if core is not None:
+        _reuse.put(
+            k,
+            p,
+            core=core,
+            names=p._core_names,
+            forward_mode=(p._forward_mode, p._forward_error),
+            traceable=p._forward_traceable,
+        )
+    return core
+
+
+def _build(p: _Source) -> _programs.Program | None:
     forward = "fwd" in p.modes and p._forward_mode is not False
     try:
         try:
@@ -188,7 +255,7 @@ class _Part:
 
     def __init__(
         self,
-        p: _Problem,
+        p: _Source,
         name: str,
         fn: Callable[..., Any],
         second: str = "",
@@ -214,10 +281,19 @@ class _Part:
         p = self.p
         core = p._core
         if core is not None and self.name in p._core_names:
+            arguments = self._arguments(args)
+            memo = p._core_memo
+            # The parts at the same arguments (a VJP and its reference, at one
+            # cotangent) come from one run of the core.
+            if memo is not None and all(a is b for a, b in zip(memo[0], arguments)):
+                return memo[1][self.name]
             try:
-                return core(*self._arguments(args))[self.name]
+                out = core(*arguments)
             except Exception:
                 p._core = None  # raised: every part on its own from now on
+            else:
+                p._core_memo = (arguments, out)
+                return out[self.name]
         if self._alone is None:
             if self.second:
                 self._alone = _programs.jit(

@@ -1,5 +1,8 @@
 """The `finite_differences` check: the rule's derivative against central
-differences, in float64, along random unit directions."""
+differences, in float64, along random unit directions (in the arguments' tangent
+spaces). Where both evaluation points give the same value, infinities included,
+the difference is 0, as in `jax.test_util.check_grads`: a masked `-inf` output
+does not move."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import numpy as np
 from . import _programs
 from ._compare import _Failure, _identity, _vdot
 from ._compat import enable_x64
+from ._host import _device
 from ._options import _Options, _where
-from ._problem import _device, _Problem
+from ._problem import _Problem
 
 FINITE_DIFFERENCE_TOLERANCES: dict[bool, tuple[float, float, float]] = {
     True: (1e-5, 1e-6, 1e-6),
@@ -67,10 +71,14 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
         rng = p.rng("fd")
         ct_vjp = None
         for _ in range(o.num_directions):
-            v = [
+            raw = [
                 rng.standard_normal(np.shape(x), dtype=np.float32).astype(wide)
                 for x in jtu.tree_leaves(d)
             ]
+            projected = p.project(
+                _device(jtu.tree_unflatten(jtu.tree_structure(d), raw))
+            )
+            v = [np.asarray(x, wide) for x in jtu.tree_leaves(projected)]
             norm = np.sqrt(sum(float(np.sum(x**2)) for x in v))
             v = _device(
                 jtu.tree_unflatten(jtu.tree_structure(d), [x / norm for x in v])
@@ -86,9 +94,7 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 plus, minus = f(d, v, step), f(d, v, -step)
             fd = jtu.tree_map(
                 lambda a, b: (
-                    (np.asarray(a) - np.asarray(b)) / (2 * eps)
-                    if eqx.is_inexact_array(a)
-                    else None
+                    _difference(a, b, eps) if eqx.is_inexact_array(a) else None
                 ),
                 plus,
                 minus,
@@ -124,6 +130,12 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
                 rtol=rtol,
                 atol=atol,
             )
+            if holds is None:
+                raise _Failure(
+                    f"nothing compared: <ct, finite difference> = {lhs} and "
+                    f"<J^T ct, v> = {rhs}, neither finite",
+                    **worst,
+                )
             if not holds:
                 raise _Failure(
                     f"the VJP disagrees with central differences: {rhs:.6g} vs "
@@ -131,6 +143,14 @@ def _check_finite_differences(p: _Problem, o: _Options) -> dict[str, Any] | str:
                     **worst,
                 )
     return worst
+
+
+@np.errstate(all="ignore")
+def _difference(plus: Any, minus: Any, eps: float) -> np.ndarray:
+    """`(plus - minus) / 2 eps`, 0 where the two are equal (infinities included:
+    `inf - inf` there is no change, not NaN)."""
+    a, b = np.asarray(plus), np.asarray(minus)
+    return np.where(a == b, np.zeros((), a.dtype), (a - b) / (2 * eps))
 
 
 def _float_or_none(x: Any) -> Any:

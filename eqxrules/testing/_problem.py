@@ -10,20 +10,17 @@ only the rule and its references run as compiled programs (`_programs.jit`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools as ft
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
-from . import _core, _programs
+from . import _core, _programs, _reuse
 from ._compare import (
     Inputs,
     KeyPath,
@@ -33,142 +30,14 @@ from ._compare import (
     _lowest_precision,
     _scalar,
 )
-from ._core import _is_reverse_only_error, _Part
+from ._core import _Part
+from ._groups import _arg_names, _Group, _groups
+from ._host import _entropy, _fill, _random_like
+from ._options import _is_reverse_only_error, _untransposable
 
-
-def _entropy(key: PRNGKeyArray | None) -> list[int]:
-    """The bits of a PRNG key (typed or raw `uint32`), to seed NumPy with."""
-    if key is None:
-        return [0, 0]  # the bits of `jax.random.key(0)`
-    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    return [int(b) for b in np.asarray(key).ravel()]
-
-
-def _device(tree: Any) -> Any:
-    """NumPy leaves of `tree` as JAX arrays (a transfer, no compiled program), so a
-    rule never sees NumPy semantics; float0 leaves stay NumPy, as JAX has them."""
-
-    def put(x: Any) -> Any:
-        if isinstance(x, np.ndarray) and x.dtype != jax.dtypes.float0:
-            return jax.device_put(x)
-        return x
-
-    return jtu.tree_map(put, tree)
-
-
-def _random_like(rng: np.random.Generator, tree: Any) -> Any:
-    """Standard-normal arrays, drawn on the host, shaped like the inexact leaves of
-    `tree` (arrays or `jax.ShapeDtypeStruct`s); float0 zeros for the other array
-    leaves; `None` elsewhere."""
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=_is_none)
-    out = []
-    for leaf in leaves:
-        if _is_inexact(leaf):
-            x = rng.standard_normal(leaf.shape, dtype=np.float32)
-            out.append(jax.device_put(x.astype(jnp.dtype(leaf.dtype))))
-        elif eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            out.append(np.zeros(leaf.shape, jax.dtypes.float0))
-        else:
-            out.append(None)
-    return jtu.tree_unflatten(treedef, out)
-
-
-def _zeros_like(tree: Any) -> Any:
-    return _device(jtu.tree_map(lambda x: np.zeros(x.shape, jnp.dtype(x.dtype)), tree))
-
-
-def _fill(tree: Any, like: Any) -> Any:
-    """`tree` aligned to `like` (whose leaves may be `None`), with `None` in `tree`
-    standing for zeros of `like`'s leaf."""
-
-    def fill(lk, t):
-        if lk is None:
-            return None
-        if t is None:
-            return jtu.tree_map(jnp.zeros_like, lk)
-        return t
-
-    return jtu.tree_map(fill, like, tree, is_leaf=_is_none)
-
-
-def _arg_names(fn: Callable[..., Any], n: int) -> tuple[str, ...]:
-    """The names `fn`'s signature gives its first `n` positional arguments, as the
-    user wrote them (`lambda m, x: m(x)`: `m`, `x`); `args[i]` where it gives none
-    (past a `*args`, or no signature)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    positional = (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    )
-    return tuple(
-        params[i].name
-        if i < len(params) and params[i].kind in positional
-        else f"args[{i}]"
-        for i in range(n)
-    )
-
-
-def _untransposable(e: BaseException) -> bool:
-    """Whether `e` is what JAX raises when reverse mode transposes a JVP that is
-    not linear in its tangent: a bare `AssertionError` (a product of tangents, a
-    branch on one), or no transpose rule for the primitive applied to one."""
-    if type(e) is AssertionError:
-        return True
-    return isinstance(e, NotImplementedError) and "Transpose rule" in str(e)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """One differentiable argument, or one field of a Module argument: what the
-    `held_fixed` check perturbs alone. `get` takes its part of the differentiable
-    leaves; `put` puts a replacement back; `path` is where it is among them."""
-
-    label: str
-    index: int
-    field: str | None
-
-    @property
-    def path(self) -> KeyPath:
-        index = (jtu.SequenceKey(self.index),)
-        return index if self.field is None else (*index, jtu.GetAttrKey(self.field))
-
-    def get(self, diff: tuple[Any, ...]) -> Any:
-        arg = diff[self.index]
-        return arg if self.field is None else getattr(arg, self.field)
-
-    def put(self, diff: tuple[Any, ...], part: Any) -> tuple[Any, ...]:
-        arg, field = part, self.field
-        if field is not None:
-            arg = eqx.tree_at(
-                lambda m: getattr(m, field),
-                diff[self.index],
-                part,
-                is_leaf=_is_none,
-            )
-        return diff[: self.index] + (arg,) + diff[self.index + 1 :]
-
-
-def _groups(diff: tuple[Any, ...], names: tuple[str, ...]) -> list[_Group]:
-    """Each top-level argument holding inexact arrays is a group; a Module argument
-    is split into its fields that hold inexact arrays. `names`: the arguments'."""
-    groups = []
-    for i, arg in enumerate(diff):
-        leaves = jtu.tree_flatten_with_path(arg)[0]
-        if not leaves:
-            continue
-        keys = [path[0] if path else None for path, _ in leaves]
-        if isinstance(arg, eqx.Module) and all(
-            isinstance(k, jtu.GetAttrKey) for k in keys
-        ):
-            fields = dict.fromkeys(k.name for k in keys)  # type: ignore[union-attr]
-            groups += [_Group(f"{names[i]}.{n}", i, n) for n in fields]
-        else:
-            groups.append(_Group(names[i], i, None))
-    return groups
+TangentSpace = Callable[[Any], Any] | Sequence[Callable[[Any], Any] | None] | None
+"""`check_rule`'s `tangent_space`: one projection for every argument, or one per
+argument (`None` for an unconstrained one)."""
 
 
 class _Problem:
@@ -183,6 +52,7 @@ class _Problem:
         rtol: float | None,
         atol: float | None,
         modes: tuple[str, ...],
+        tangent_space: TangentSpace = None,
     ):
         self.args = args
         self.diff, self.static = eqx.partition(args, eqx.is_inexact_array)
@@ -207,6 +77,8 @@ class _Problem:
         self.unchecked_nan = False
         self._forward_mode: bool | None = None if "fwd" in modes else False
         self._forward_error: BaseException | None = None
+        self.spaces = _spaces(tangent_space, len(args))
+        self._core_memo: tuple[tuple[Any, ...], Any] | None = None
 
     def rng(self, stream: str) -> np.random.Generator:
         """A fresh generator per use, so a check's draws do not depend on which
@@ -215,10 +87,16 @@ class _Problem:
 
     @ft.cached_property
     def _out_shape(self) -> tuple[Any, BaseException | None]:
+        k = _reuse.key(self, "out_shape")
+        found = _reuse.get(k)
+        if found is not None and "out_shape" in found:
+            return found["out_shape"]
         try:
-            return eqx.filter_eval_shape(self.f, self.diff), None
+            value = eqx.filter_eval_shape(self.f, self.diff), None
         except Exception as e:
             return None, e
+        _reuse.put(k, self, out_shape=value)
+        return value
 
     @property
     def out_shape(self) -> Any:
@@ -235,7 +113,27 @@ class _Problem:
 
     @ft.cached_property
     def t(self) -> Any:
-        return _random_like(self.rng("t"), self.diff)
+        return self.tangent(self.rng("t"))
+
+    def tangent(self, rng: np.random.Generator, point: Any = None) -> Any:
+        """A random tangent at the point (or at `point`, shaped like it), in each
+        argument's tangent space (`tangent_space`)."""
+        return self.project(_random_like(rng, self.diff if point is None else point))
+
+    def project(self, tree: Any, at: KeyPath = ()) -> Any:
+        """`tree`, shaped like the differentiable arguments (or like their part at
+        path `at`), with each argument's tangent-space projection applied to its
+        part: a tangent drawn at random, or a cotangent about to be compared (a
+        cotangent is defined only up to what the tangent space cannot see)."""
+        if not any(self.spaces):
+            return tree
+        if at:
+            space = self.spaces[at[0].idx] if len(at) == 1 else None
+            return tree if space is None or tree is None else _apply(space, tree)
+        return tuple(
+            t if space is None or t is None else _apply(space, t)
+            for space, t in zip(self.spaces, tree, strict=True)
+        )
 
     @ft.cached_property
     def out(self) -> Any:
@@ -366,8 +264,9 @@ class _Problem:
 
     @ft.cached_property
     def u(self) -> Any:
-        """The second cotangent, for the VJP of the VJP."""
-        return _random_like(self.rng("ct2"), self.diff)
+        """The second cotangent, for the VJP of the VJP: a cotangent of the rule's
+        cotangents, in the arguments' tangent spaces."""
+        return self.tangent(self.rng("ct2"))
 
     def second_order_jit(self, part: str) -> Callable[..., Any]:
         """`part` of the second derivatives (`_core.second_order`)."""
@@ -449,6 +348,7 @@ class _Problem:
 
         inputs = self._inputs(point, same_shape)
         kw.setdefault("unchecked_nan", reference and self.unchecked_nan)
+        kw.setdefault("unchecked_inf", reference and self.unchecked_nan)
         return self._compare(actual, expected, prefix, inputs, **kw)
 
     def compare_args(
@@ -475,6 +375,7 @@ class _Problem:
 
         inputs = self._inputs(point, same_leaf)
         kw.setdefault("unchecked_nan", reference and self.unchecked_nan)
+        kw.setdefault("unchecked_inf", reference and self.unchecked_nan)
         return self._compare(actual, expected, name, inputs, **kw)
 
     def _inputs(self, point: Any, keep: Callable[..., bool]) -> Inputs:
@@ -503,3 +404,25 @@ class _Problem:
         return _compare(
             actual, expected, prefix=prefix, inputs=inputs, **{**tolerances, **kw}
         )
+
+
+def _spaces(tangent_space: TangentSpace, n: int) -> tuple[Any, ...]:
+    """One projection (or `None`) per argument, from `check_rule`'s
+    `tangent_space` (validated there)."""
+    if tangent_space is None:
+        return (None,) * n
+    if callable(tangent_space):
+        return (tangent_space,) * n
+    return tuple(tangent_space)
+
+
+def _apply(space: Callable[[Any], Any], tree: Any) -> Any:
+    """`space(tree)` in `tree`'s dtypes, where `tree` holds inexact arrays (a
+    float0 or `None` tangent has no direction to project)."""
+    leaves = [x for x in jtu.tree_leaves(tree) if _is_inexact(x)]
+    if not leaves:
+        return tree
+    out = space(tree)
+    return jtu.tree_map(
+        lambda y, x: y.astype(x.dtype) if _is_inexact(x) else x, out, tree
+    )

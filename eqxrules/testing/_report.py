@@ -32,6 +32,11 @@ class CheckResult:
         an elementwise rule; a Module argument's parameters are left out), and
         `{}` when no input has that shape, so that no input element maps to the
         index. `None` where there is no element.
+    - `compared`: how many elements the check compared (finite in both the rule's
+        values and the reference's), for the checks that compare values; `0` on
+        a failure that compared nothing, which would otherwise pass whatever the
+        rule gave (NaN or infinite wherever the reference is). `None` where the
+        check compares no values (`zero_cotangent`, `dtype`).
     - `seconds`: wall time of the check.
     - `exception`: the exception the rule raised inside the check, if any.
     """
@@ -48,6 +53,7 @@ class CheckResult:
     actual: complex | float | None = None
     expected: complex | float | None = None
     inputs: dict[str, complex | float] | None = None
+    compared: int | None = None
     seconds: float = 0.0
     exception: BaseException | None = None
 

@@ -1,5 +1,7 @@
-"""Hypothesis strategies for checking rules: arrays in a domain (off its kinks), the
-inputs of a rule of several, pytrees of arrays, and small `eqx.nn.MLP`s.
+"""Hypothesis strategies for checking rules: arrays in a domain (off its kinks, or
+with the extremes of the dtype's range mixed in), the inputs of a rule of one or
+several (a structured domain's drawn through its own `sample` and `extremes`),
+pytrees of arrays, and small `eqx.nn.MLP`s.
 
 Needs the `test` extra (`hypothesis`)."""
 
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._args import Args
+from ._extremes import extreme_values
 
 try:
     from hypothesis import strategies as st
@@ -26,7 +29,8 @@ except ImportError as e:
 
 class DomainLike(Protocol):
     """Anything with `low`, `high`, `kinks`, `shape` and `margin`, such as
-    `eqxrules.Domain`."""
+    `eqxrules.Domain` (whose `structured` ones, drawing their own `sample`, are
+    drawn through it by `inputs`)."""
 
     low: float
     high: float
@@ -51,6 +55,7 @@ def arrays(
     shape: tuple[int, ...] | None = None,
     off_kinks: bool = True,
     with_kinks: bool = False,
+    extremes: bool = False,
 ) -> jax.Array:
     """Arrays with elements in `[domain.low, domain.high]`.
 
@@ -61,6 +66,10 @@ def arrays(
         a drawn run of consecutive kinks (wrapping round), so that every kink is
         reached across draws; `eqxrules.Domain.on_kinks` gives inputs holding every
         kink at once.
+    - `extremes`: then overwrite a drawn set of elements with the extremes of
+        `dtype`'s range, with the signs `[low, high]` allows: `±1e30`, `±1e-30`, a
+        quarter of the largest finite value (for float32), `±inf`; and sometimes a
+        whole slice along the last axis with `-inf` (a masked row).
     """
     shape = domain.shape if shape is None else shape
     size = int(np.prod(shape))
@@ -83,7 +92,28 @@ def arrays(
         flat = x.reshape(-1)
         flat[: len(chosen)] = chosen
         x = flat.reshape(shape)
+    if extremes:
+        x = draw(_with_extremes(x, domain, dtype))
     return jnp.asarray(x, dtype)
+
+
+@st.composite
+def _with_extremes(draw: st.DrawFn, x: np.ndarray, domain: Any, dtype: Any) -> Any:
+    """`x` with a drawn set of its elements made extremes, and perhaps a masked
+    row (see `arrays`)."""
+    values = extreme_values(domain.low, domain.high, dtype)
+    if not values or not x.size:
+        return x
+    picks = st.one_of(st.none(), st.sampled_from(values))
+    chosen = draw(st.lists(picks, min_size=x.size, max_size=x.size))
+    out = np.asarray(x, np.float64).copy()
+    flat = out.reshape(-1)
+    for i, v in enumerate(chosen):
+        if v is not None:
+            flat[i] = v
+    if domain.low < 0 and out.ndim and draw(st.booleans()):
+        out[(0,) * (out.ndim - 1)] = -np.inf  # a masked row
+    return out
 
 
 @st.composite
@@ -94,20 +124,33 @@ def inputs(
     dtype: Any = jnp.float32,
     off_kinks: bool = True,
     with_kinks: bool = False,
+    extremes: bool = False,
 ) -> Any:
     """The input of a rule whose domain is `domain`: an array drawn with
-    [`arrays`][] for a `Domain`, booleans for a `Mask` (of its shape), and for
-    `Inputs` (a rule of several) an `eqxrules.Args` of one such input each."""
+    [`arrays`][] for a box `Domain`, booleans for a `Mask` (of its shape), for
+    `Inputs` (a rule of several) an `eqxrules.Args` of one such input each, and
+    for a structured domain (one that draws its own `sample`: symmetric or
+    positive definite matrices, integers, the simplex) its `sample` at a drawn
+    key. With `extremes`, a box's elements may be the dtype's extremes (see
+    [`arrays`][]), a mask may be all `False` (every element masked), and a
+    structured domain's input may be one of its own `extremes`."""
+    kw = dict(
+        dtype=dtype, off_kinks=off_kinks, with_kinks=with_kinks, extremes=extremes
+    )
     if hasattr(domain, "domains"):  # `eqxrules.Inputs`
-        return Args(
-            draw(inputs(d, dtype=dtype, off_kinks=off_kinks, with_kinks=with_kinks))
-            for d in domain.domains
-        )
+        return Args(draw(inputs(d, **kw)) for d in domain.domains)
     if getattr(domain, "boolean", False):  # `eqxrules.Mask`
         size = int(np.prod(domain.shape))
         flags = draw(st.lists(st.booleans(), min_size=size, max_size=size))
+        if extremes and draw(st.booleans()):
+            flags = [False] * size  # every element masked
         return jnp.asarray(np.asarray(flags, bool).reshape(domain.shape))
-    return draw(arrays(domain, dtype=dtype, off_kinks=off_kinks, with_kinks=with_kinks))
+    if getattr(domain, "structured", False):  # draws its own
+        key = jax.random.key(draw(st.integers(0, 2**31 - 1)))
+        own = domain.extremes(key, dtype) if extremes else []
+        pick = draw(st.integers(0, len(own)))
+        return domain.sample(key, dtype) if pick == len(own) else own[pick][1]
+    return draw(arrays(domain, **kw))
 
 
 @st.composite
