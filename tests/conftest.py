@@ -137,13 +137,17 @@ def load_example():
 @pytest.fixture
 def fresh_products(monkeypatch):
     """`monkeypatch`, with the quantised core's products (`core.product`, one
-    cached `jit` per product) traced again in the test, so that a patched helper of
-    the core is traced, and again after it, so that no patched trace outlives it."""
-    from eqxrules._lowp import core
+    cached `jit` per product, and the residuals' `_keep` and `_weight_gradient`)
+    traced again in the test, so that a patched helper of the core is traced, and
+    again after it, so that no patched trace outlives it."""
+    from eqxrules._lowp import core, residuals
 
-    core.product.cache_clear()
+    caches = (core.product, residuals._keep, residuals._weight_gradient)
+    for cache in caches:
+        cache.cache_clear()
     yield monkeypatch
-    core.product.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
 # The two tiers. `python -m pytest` (the README's command) runs the quick tier:

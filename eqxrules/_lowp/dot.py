@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import _axis_names
+from .._catalogue import _JAX_REVERSE_ONLY, REVERSE_ONLY_MESSAGE
 from .._inputs import check_float_array, check_key
+from . import residuals
 from .core import _Bilinear
 from .ops import DotGeneral, Op
 from .recipes import Custom, Product, Recipe, block_lengths, reads_key
@@ -66,14 +68,23 @@ def run(
     with collectives (a `shard_map`'s). A key the recipe does not read is
     dropped, so that it cannot constrain `vmap`."""
     vmapped, collective = _axis_names.split(axis_name)
-    rule = _Bilinear(op, products, vmapped, collective)
-    return rule(
-        a,
-        b,
-        key=key if random else None,
-        extras=extras,
-        tags=_axis_names.tags(vmapped),
-    )
+    key = key if random else None
+    if vmapped:  # the batch's blocks: `a` kept, the products of its join
+        rule = _Bilinear(op, products, vmapped, collective)
+        tags = _axis_names.tags(vmapped)
+        return rule(a, b, key=key, extras=extras, tags=tags)
+    # Residuals in their formats (`residuals`).
+    config = residuals.Config(op, products, collective)
+    try:
+        return residuals.bilinear(config, a, b, key, extras)
+    except TypeError as e:
+        if _JAX_REVERSE_ONLY not in str(e):
+            raise
+        raise TypeError(
+            f"`{op.name}` {REVERSE_ONLY_MESSAGE}: its backward pass is not linear "
+            "in the cotangent, so it has no JVP. Use `jax.grad`, `jax.vjp` or "
+            "`jax.jacrev` instead of `jax.jvp` or `jax.jacfwd`."
+        ) from e
 
 
 def length_error(

@@ -37,6 +37,7 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
@@ -92,6 +93,69 @@ def spanning(q: Any, names: tuple[Hashable, ...]) -> Any:
     return dataclasses.replace(q, axis_name=names if rest else first)
 
 
+class Plan(NamedTuple):
+    """How a product is computed: `op` is what it contracts (the operation, or
+    its `flat` form: with a random Hadamard transform, or a contraction padded in
+    place), `prepare` lays each operand out for it (or `None`)."""
+
+    op: Op
+    prepare: tuple[Any, Any] | None
+    spec: Product
+    role: str
+
+
+def plan(op: Op, spec: Product, lhs_shape: Sequence[int], role: str) -> Plan:
+    """The plan of product `role` of `op` with `spec`, for a left operand of
+    `lhs_shape` (module docstring: blocks, padding, the Hadamard transform)."""
+    multiple = multiple_of(spec)
+    blocked = op.operands()[0].blocked
+    blocked_length = math.prod(lhs_shape[d] for d in blocked)
+    if spec.hadamard is None and not (
+        op.padded_contraction() and blocked_length % multiple
+    ):
+        return Plan(op, None, spec, role)
+    flat = op.flat(multiple)
+    if flat is None:
+        raise ValueError(
+            f"`{op.name}`: the {role} product cannot take a random Hadamard "
+            f"transform (`hadamard`={spec.hadamard}): it is not a contraction "
+            "of its operands, which the transform needs; give that product "
+            "`hadamard=None` (e.g. `dataclasses.replace(recipes.nvfp4(), "
+            "hadamard=None)`)."
+        )
+    _no_square(op, spec, role)
+    return Plan(flat.op, flat.prepare, spec, role)
+
+
+def _prepared(p: Plan, side: int, v: Array, extras: tuple[Array, ...], keys: Any):
+    """Operand `side` laid out for `p.op`, rotated if `p.spec` asks."""
+    if p.prepare is not None:
+        v = p.prepare[side](v, extras)
+    if p.spec.hadamard is not None:
+        v = _rotated(v, p.op.operands()[side], keys[2], p.spec.hadamard)
+    return v
+
+
+def operand(
+    p: Plan,
+    side: int,
+    v: Array,
+    extras: tuple[Array, ...],
+    keys: Any,
+    names: tuple[Hashable, ...],
+) -> Quantised:
+    """Operand `side` (0, 1) of the product `p` quantised as `p.spec` says."""
+    q = (p.spec.lhs, p.spec.rhs)[side]
+    geometry = p.op.operands()[side]
+    v = _prepared(p, side, v, extras, keys)
+    return quantise(q, v, geometry, keys[side], extras, names, Where(p.op.name, p.role))
+
+
+def keys_of(key: Any) -> tuple[Any, Any, Any]:
+    """A product's operand keys (`operand_keys`), or `None`s without a key."""
+    return (None, None, None) if key is None else operand_keys(key)
+
+
 def evaluate(
     op: Op,
     spec: Product,
@@ -105,35 +169,11 @@ def evaluate(
     """The product `op(Q_lhs(lhs), Q_rhs(rhs), *extras)` with the quantisers and
     Hadamard transform of `spec` (the module docstring); `role` names it in
     errors."""
-    keys: tuple[Any, Any, Any] = (None, None, None)
-    if key is not None:
-        keys = operand_keys(key)
-    geometry = op.operands()
-    multiple = multiple_of(spec)
-    blocked_length = math.prod(lhs.shape[d] for d in geometry[0].blocked)
-    if spec.hadamard is not None or (
-        op.padded_contraction() and blocked_length % multiple
-    ):
-        flat = op.flat(multiple)
-        if flat is None:
-            raise ValueError(
-                f"`{op.name}`: the {role} product cannot take a random Hadamard "
-                f"transform (`hadamard`={spec.hadamard}): it is not a contraction "
-                "of its operands, which the transform needs; give that product "
-                "`hadamard=None` (e.g. `dataclasses.replace(recipes.nvfp4(), "
-                "hadamard=None)`)."
-            )
-        _no_square(op, spec, role)
-        lhs, rhs = flat.prepare[0](lhs, extras), flat.prepare[1](rhs, extras)
-        op = flat.op
-        geometry = op.operands()
-        if spec.hadamard is not None:
-            lhs = _rotated(lhs, geometry[0], keys[2], spec.hadamard)
-            rhs = _rotated(rhs, geometry[1], keys[2], spec.hadamard)
-    where = Where(op.name, role)
-    q_lhs = quantise(spec.lhs, lhs, geometry[0], keys[0], extras, names, where)
-    q_rhs = quantise(spec.rhs, rhs, geometry[1], keys[1], extras, names, where)
-    return contract(op, q_lhs, q_rhs, extras)
+    keys = keys_of(key)
+    p = plan(op, spec, lhs.shape, role)
+    q_lhs = operand(p, 0, lhs, extras, keys, names)
+    q_rhs = operand(p, 1, rhs, extras, keys, names)
+    return contract(p.op, q_lhs, q_rhs, extras)
 
 
 class Quantised(NamedTuple):
@@ -249,6 +289,49 @@ def _parts(q: Any, v: Array, key: Any) -> tuple[Array, Array | None]:
     return q(v, key=key), None
 
 
+def _fit(q: Any, v: Array, operand: Operand, where: Where):
+    """`(fitted, prepared, restore)`: `q` fitted to `operand` (its blocks along
+    what the product contracts), the array it quantises (`v`, flattened along
+    several contracted dimensions and padded with zeros to the block, or padded
+    along both axes of square blocks), and how its result goes back to `v`'s
+    layout (`_restore`)."""
+    if not isinstance(q, BlockQuantizer):
+        return q, v, ("as is",)
+    described = where.of(v)
+    if isinstance(q.axis, tuple):
+        if len(operand.blocked) != 1 or len(operand.paired) != 1:
+            raise ValueError(
+                f"`{where.name}`: the quantiser {q!r} has square blocks, which "
+                "need an operand with one contracted and one free dimension beside "
+                f"its batch dimensions (a matrix); {where.of(v)} contracts "
+                f"{operand.blocked} and keeps {operand.paired}. Give it blocks "
+                "along one axis."
+            )
+        axes = tuple(sorted((operand.blocked[0], operand.paired[0])))
+        padded = ops.pad_axis(v, axes[0], q.block_size)
+        padded = ops.pad_axis(padded, axes[1], q.block_size)
+        fitted = q if q.axis == axes else dataclasses.replace(q, axis=axes)
+        return fitted, padded, ("slice", tuple(v.shape))
+    dims = operand.blocked
+    if len(dims) == 1 and v.shape[dims[0]] % q.block_size == 0:
+        fitted = q.for_reduction_axis(dims[0], v.shape[dims[0]], described)
+        return fitted, v, ("as is",)
+    flat = flatten(v, dims)
+    padded = pad(flat, q.block_size)
+    fitted = q.for_reduction_axis(0, padded.shape[0], described)
+    return fitted, padded, ("flat", tuple(dims), flat.shape[0], tuple(v.shape))
+
+
+def _restore(value: Array, restore: tuple[Any, ...]) -> Array:
+    """A quantiser's result (on `_fit`'s prepared array) in the operand's layout."""
+    if restore[0] == "slice":
+        return jax.lax.slice(value, (0,) * value.ndim, restore[1])
+    if restore[0] == "flat":
+        _, dims, n, shape = restore
+        return unflatten(value[:n], dims, shape)
+    return value
+
+
 def along(
     q: Any, v: Array, operand: Operand, key: Any, where: Where
 ) -> tuple[Array, Array | None]:
@@ -256,41 +339,58 @@ def along(
     (flattened, padded with zeros at the end to a multiple of the block, the
     padding sliced off), or square over the blocked and paired dimensions (each
     padded). An elementwise `q` (per element, or one scale per tensor) takes `v`
-    whole."""
-    described = where.of(v)
-    if not isinstance(q, BlockQuantizer):
-        return _parts(q, v, key)
-    if isinstance(q.axis, tuple):
-        return _square(q, v, operand, key, where)
-    dims = operand.blocked
-    if len(dims) == 1 and v.shape[dims[0]] % q.block_size == 0:
-        fitted = q.for_reduction_axis(dims[0], v.shape[dims[0]], described)
-        return _parts(fitted, v, key)
-    flat = flatten(v, dims)
-    n = flat.shape[0]
-    padded = pad(flat, q.block_size)
-    fitted = q.for_reduction_axis(0, padded.shape[0], described)
-    value, scale = _parts(fitted, padded, key)
-    return unflatten(value[:n], dims, v.shape), scale
+    whole. Returns the payload (or value) and the tensor scale."""
+    fitted, prepared, restore = _fit(q, v, operand, where)
+    value, scale = _parts(fitted, prepared, key)
+    return _restore(value, restore), scale
 
 
-def _square(q: BlockQuantizer, v: Array, operand: Operand, key: Any, where: Where):
-    """Square blocks over the operand's blocked dimension and the one it pairs
-    with, both padded with zeros to the block and the padding sliced off."""
-    if len(operand.blocked) != 1 or len(operand.paired) != 1:
-        raise ValueError(
-            f"`{where.name}`: the quantiser {q!r} has square blocks, which need "
-            "an operand with one contracted and one free dimension beside its "
-            f"batch dimensions (a matrix); {where.of(v)} contracts "
-            f"{operand.blocked} and keeps {operand.paired}. Give it blocks along "
-            "one axis."
-        )
-    axes = tuple(sorted((operand.blocked[0], operand.paired[0])))
-    padded = ops.pad_axis(v, axes[0], q.block_size)
-    padded = ops.pad_axis(padded, axes[1], q.block_size)
-    fitted = q if q.axis == axes else dataclasses.replace(q, axis=axes)
-    value, scale = _parts(fitted, padded, key)
-    return jax.lax.slice(value, (0,) * v.ndim, v.shape), scale
+class Saved(eqx.Module):
+    """An operand quantised in the forward pass and kept for the backward pass:
+    `parts` in their formats' dtypes (`LowPrecision.stored`: a quarter of its
+    float32 bytes, or an eighth) where `quantiser` (fitted) is a `LowPrecision`
+    one on a plain layout, else `(value, scale)` as `quantise` gives them."""
+
+    parts: Any
+    quantiser: Any = eqx.field(static=True)
+    shape: tuple[int, ...] = eqx.field(static=True)
+    restore: tuple[Any, ...] = eqx.field(static=True)
+    exact: bool = eqx.field(static=True)
+
+
+def saved_operand(
+    p: Plan,
+    side: int,
+    v: Array,
+    extras: tuple[Array, ...],
+    keys: Any,
+    names: tuple[Hashable, ...],
+) -> Saved:
+    """`operand`, kept in its format (`Saved`)."""
+    q = (p.spec.lhs, p.spec.rhs)[side]
+    geometry = p.op.operands()[side]
+    plain = geometry.independent == () and geometry.segmented is None
+    if not (plain and isinstance(q, LowPrecision)):
+        value, scale, exact = operand(p, side, v, extras, keys, names)
+        return Saved((value, scale), None, tuple(v.shape), ("as is",), exact)
+    where = Where(p.op.name, p.role)
+    v = _prepared(p, side, v, extras, keys)
+    fitted, prepared, restore = _fit(spanning(q, names), v, geometry, where)
+    assert isinstance(fitted, LowPrecision)
+    e = fitted.encode(prepared, key=keys[side])
+    shape = tuple(prepared.shape)
+    return Saved(fitted.stored(e), fitted, shape, restore, _exact(fitted))
+
+
+def loaded(s: Saved) -> Quantised:
+    """The operand a `Saved` keeps, as a product takes it."""
+    if s.quantiser is None:
+        value, scale = s.parts
+        return Quantised(value, scale, s.exact)
+    e = s.quantiser.restored(s.parts)
+    like = jax.ShapeDtypeStruct(s.shape, jnp.float32)
+    value, scale = s.quantiser.payload(e, like)
+    return Quantised(_restore(value, s.restore), scale, s.exact)
 
 
 def _without(operand: Operand, dim: int) -> Operand:

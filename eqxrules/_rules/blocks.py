@@ -277,6 +277,8 @@ class MXQuantize(_Encoding):
         return Encoded(jnp.where(finite, q, 0.0), jnp.where(finite, k, _NAN_BLOCK))
 
     def decode(self, e: Encoded, like: Any) -> Array:
+        """`codes · 2^k` per block (NaN where `k = -128`), back in `like`'s layout
+        and dtype: this quantiser's value, bit for bit."""
         assert e.scales is not None
         k = e.scales
         out = _times_pow2(e.codes, jnp.maximum(k, -127))
@@ -284,13 +286,17 @@ class MXQuantize(_Encoding):
         return _from_blocks(out, self.axis, like).astype(like.dtype)
 
     def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
+        """`(value, None)`: with power-of-two scales the value is exact in
+        bfloat16."""
         # Power-of-two scales: the value itself is exact in bfloat16.
         return self.decode(e, jax.ShapeDtypeStruct(like.shape, _F32)), None
 
     def storage(self) -> tuple[Any, Any]:
+        """The element format's dtype for codes, int8 for the block exponents."""
         return code_dtype(self.format), jnp.int8
 
     def restored(self, e: Encoded) -> Encoded:
+        """`stored`'s inverse: float32 codes and int32 exponents."""
         assert e.scales is not None
         return Encoded(e.codes.astype(_F32), e.scales.astype(jnp.int32))
 
@@ -396,6 +402,9 @@ class NVFP4Quantize(_Encoding):
         return Encoded(jnp.where(jnp.isfinite(b), c, 0.0), s, t)
 
     def decode(self, e: Encoded, like: Any) -> Array:
+        """`codes · (tensor · scale)` per block of 16 (the codes where no scale is
+        positive; NaN where the tensor scale is not finite), in `like`'s layout and
+        dtype."""
         assert e.scales is not None and e.tensor is not None
         # Where no scale is positive (0, or NaN for an all-zero array: t = 0) the
         # codes are the zeros themselves.
@@ -404,12 +413,15 @@ class NVFP4Quantize(_Encoding):
         return _from_blocks(out, self.axis, like).astype(like.dtype)
 
     def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
+        """`(codes · scale, tensor)`: an E2M1 code times an E4M3 scale has at most
+        6 significant bits, exact in bfloat16."""
         # An E2M1 code times an E4M3 scale: at most 6 significant bits.
         assert e.scales is not None
         scaled = jnp.where(e.scales > 0, e.codes * e.scales, e.codes)
         return _from_blocks(scaled, self.axis, like), e.tensor
 
     def storage(self) -> tuple[Any, Any]:
+        """E2M1 codes (two to a byte when packed) and E4M3 block scales."""
         return code_dtype("e2m1"), jnp.float8_e4m3fn
 
     def _reference(self, x: Array, bits: Array | None) -> Array:

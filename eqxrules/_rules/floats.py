@@ -261,16 +261,21 @@ class FloatQuantize(LowPrecision, Rounded, _Elementwise):
         return self.decode(self._encode(x, bits), x)
 
     def encode(self, x: Array, *, key: PRNGKeyArray | None = None) -> Encoded:
+        """`Encoded(codes, None, tensor)`: the element codes `round_fmt(x / s)` and
+        the tensor scale `s` (`None` when unscaled)."""
         return self._encode(x.astype(_F32), _bits(self, x, key))
 
     def decode(self, e: Encoded, like: Any) -> Array:
+        """`codes · tensor` in `like`'s dtype: this quantiser's value, bit for bit."""
         q = e.codes if e.tensor is None else e.codes * e.tensor
         return q.astype(like.dtype)
 
     def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
+        """`(codes, tensor)`: codes of at most 8 bits are exact in bfloat16."""
         return e.codes, e.tensor
 
     def storage(self) -> tuple[Any, Any]:
+        """The element format's own dtype (with a NaN), and no block scales."""
         return code_dtype(self.format, nan=True), None  # a NaN stays in its element
 
     def _encode(self, x: Array, bits: Array | None) -> Encoded:
