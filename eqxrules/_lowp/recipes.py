@@ -13,8 +13,9 @@ import jax.tree_util as jtu
 
 from .._catalogue import Rule
 from .._hyper import Check, at_least, check_fields, hyperparameter, integer, one_of
-from .._rules.blocks import BlockQuantizer, MXQuantize, NVFP4Quantize
+from .._rules.blocks import BlockQuantizer, MXQuantize
 from .._rules.floats import FloatQuantize, element_format
+from .._rules.nvfp4 import NVFP4Quantize
 
 
 def _is_quantizer(v: Any) -> bool:
