@@ -66,7 +66,10 @@ class BlockFloatQuantize(_Encoding):
     other blocks alone. The derivative is straight-through, the scales held fixed
     (no gradient through $a$). Computed in float32; the output has the input's
     dtype. Not elementwise: `block_size` must divide the length of each blocked
-    axis (else a `ValueError`); the quantised products pad with zeros.
+    axis (else a `ValueError`); the quantised products pad with zeros. XLA
+    flushes float32 subnormals on CPU and GPU, so in a block whose largest
+    magnitude is below about $2^{-110}$ a subnormal input or result may be a
+    zero of its sign.
 
     Its parts (`encode`): E4M3 codes and a float32 scale per block. No payload
     is exact in bfloat16 beside a scalar tensor scale (`exact_payload` is
