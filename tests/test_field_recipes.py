@@ -205,3 +205,58 @@ def test_bad_field_values_are_clear_errors():
             with pytest.raises(row.error) as info:
                 type(valid)(**row.kwargs)
             assert f"`{name}`: `{row.argument}` (={row.value!r})" in str(info.value)
+
+
+def _general_failures(recipe, quantise_x, quantise_w) -> int:
+    """`quantized_dot_general` contracting two dimensions of 4 and 5 (a length of
+    20, which a tile of 16 does not divide), against NumPy: `x` [3, 4, 5] and `w`
+    [4, 5, 6] flattened to [3, 20] and [20, 6], quantised by the given NumPy
+    rules (the rows of the contraction), then multiplied."""
+    rng = np.random.default_rng(1)
+    # Each run of 5 at its own scale, 1e-4 to 1e4: a row's scale is then another
+    # than a run's, and its small elements fall below E4M3's subnormals.
+    x = rng.standard_t(3, (3, 4, 5)) * 10.0 ** rng.uniform(-4, 4, (3, 4, 1))
+    w = rng.standard_t(3, (4, 5, 6)) * 10.0 ** rng.uniform(-4, 4, (4, 1, 6))
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    dn = (((1, 2), (0, 1)), ((), ()))
+    got = eqxrules.quantized_dot_general(
+        jnp.asarray(x), jnp.asarray(w), dn, recipe=recipe
+    )
+    a = np.asarray(quantise_x(x.reshape(3, 20)), np.float64)
+    b = np.asarray(quantise_w(w.reshape(20, 6)), np.float64)
+    bound = 2 * (gamma(20, U32) + gamma(20, U64)) * (np.abs(a) @ np.abs(b))
+    return int(np.sum(np.abs(np.asarray(got, np.float64) - a @ b) > bound))
+
+
+def _padded(rule, size):
+    """`rule` on a matrix whose contraction (axis 0 of `w`, 1 of `x`) is padded
+    with zeros to a multiple of `size`, the padding sliced off."""
+
+    def quantise(v, axis):
+        n = v.shape[axis]
+        widths = [(0, 0), (0, 0)]
+        widths[axis] = (0, -n % size)
+        out = rule(np.pad(v, widths), axis)
+        return out[:, :n] if axis == 1 else out[:n]
+
+    return quantise
+
+
+def test_rows_and_tiles_of_a_flattened_contraction():
+    """Several contracted dimensions are one row (`fp8_rowwise()`: one scale over
+    all 20) or one run of tiles padded with zeros (`FP8Blockwise(block_size=16,
+    square_weight_blocks=False)`); planted: rows of the last contracted dimension
+    alone (5), which is another scale."""
+    row = recipes.fp8_rowwise()
+
+    def whole(v, axis):
+        return pow2(v, "e4m3", v.shape[axis], axis, "ceil")
+
+    def fives(v, axis):
+        return pow2(v, "e4m3", 5, axis, "ceil")
+
+    assert _general_failures(row, lambda x: whole(x, 1), lambda w: whole(w, 0)) == 0
+    assert _general_failures(row, lambda x: fives(x, 1), lambda w: fives(w, 0)) > 0
+    tiles = recipes.FP8Blockwise(block_size=16, square_weight_blocks=False)
+    tile = _padded(lambda v, axis: block_float(v, "e4m3", 16, axis), 16)
+    assert _general_failures(tiles, lambda x: tile(x, 1), lambda w: tile(w, 0)) == 0

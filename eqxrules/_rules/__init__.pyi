@@ -125,8 +125,8 @@ def block_float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3',
 DeepSeek-V3's fine-grained FP8: blocks of block_size along axis (or square over two) each scaled by float32 s = amax/max; s·round_fmt(clip(x/s)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
 
 
-def row_float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', axis: int = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
-    """Functional form of [`RowFloatQuantize`][]: `row_float_quantize(x, *, format='e4m3', axis=-1, rounding='nearest', key=None)`.
+def row_float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', block_size: int = 1, axis: int = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`RowFloatQuantize`][]: `row_float_quantize(x, *, format='e4m3', block_size=1, axis=-1, rounding='nearest', key=None)`.
 
 row-wise FP8: each row along axis shares X = 2^ceil(log2(amax/max)); X·round_fmt(clip(x/X)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
 
