@@ -11,7 +11,7 @@ so are those of `examples/lowp_training.py`, its low-precision training table an
 its row, from `examples/lowp_training.json`; and the rows of
 `examples/lowp_cnn_digits.py` and `examples/lowp_moe_digits.py`, from their
 JSON beside them. `python scripts/update_readme.py --figures` runs the four
-examples in full mode (about four, 27, two and two minutes: run them on a quiet
+examples in full mode (about four, 45, two and two minutes: run them on a quiet
 machine) to record them again first; `--figures=NAME` runs one (`EXAMPLES`
 names them: `qat`, `lowp`, `cnn`, `moe`)."""
 
@@ -73,6 +73,17 @@ LOWP_LABELS = {
     "in `mxfp8()` (a recipe per layer, by its path)",
     "mxfp8, attention products too": "`mxfp8()`, and the attention's `q·kᵀ` and "
     "`p·v` in `mxfp8()` too (`quantized_einsum`)",
+    "mxfp8, OCP floor scales": "`mxfp8()` with the OCP rule's scales, "
+    '2^(floor(log2 amax) − 8), which saturate (`MXFP8(scale_rounding="floor")`)',
+    "fp8_blockwise, blocks of 32": "DeepSeek-V3's fine-grained FP8: E4M3, float32 "
+    "scales per 1×32 tile and 32×32 weight block (`FP8Blockwise(block_size=32)`: "
+    "its 128 is wider than this model)",
+    "fp8_rowwise": "`fp8_rowwise()`: E4M3, a power-of-two scale per row of what "
+    "each product contracts",
+    "mxfp4": "`mxfp4()`: E2M1 in blocks of 32 with E8M0 scales rounded up, SR on "
+    "gradients, RHT on the weight-gradient product",
+    "nvfp4 with 4/6": "`nvfp4()` with Four Over Six, each block scaled to 4 or 6 "
+    "(`NVFP4(four_over_six=True)`)",
 }
 _LOWP_HEADER = (
     "| recipe (`ROWS` in the example) | validation loss, nats per character | "
@@ -223,8 +234,9 @@ def lowp_example_row(figures: dict) -> str:
         f"{name} {_gap(rows[name])}{_missed(rows[name])}" for name in list(rows)[1:]
     )
     return (
-        f"{_LOWP_ROW} a transformer language model trained with FP8, MXFP8 and NVFP4 "
-        f"recipes (`quantize(model, recipe=...)`, `Keyed`) against float32 | "
+        f"{_LOWP_ROW} a transformer language model trained with FP8, MXFP8, NVFP4 "
+        "and the field's recipes (blockwise and row-wise FP8, MXFP4, NVFP4 with "
+        "4/6; `quantize(model, recipe=...)`, `Keyed`) against float32 | "
         f"{figures['seconds']:.0f} s | float32 {rows['float32']['mean']:.3f} nats "
         f"per character; {gaps} ({len(figures['settings']['seeds'])} seeds) |"
     )

@@ -119,7 +119,10 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 def _load_example(name: str):
     """Import `examples/NAME.py` as a module, so a test can call its `main(quick=True)`
-    and check the figures it returns."""
+    and check the figures it returns. Its directory is on `sys.path`, as when
+    Python runs it as a script, so that it imports a module beside it."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.append(str(EXAMPLES))
     path = EXAMPLES / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
     assert spec is not None and spec.loader is not None

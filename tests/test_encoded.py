@@ -8,12 +8,15 @@ such that
   codes in a byte, FP4 codes in half of one, MX exponents in an `int8`, NVFP4's
   scales in E4M3;
 - `payload` is exactly representable in bfloat16 (so in TF32), and times the
-  tensor scale it is the value within one more rounding.
+  tensor scale it is the value within one more rounding; or, for a quantiser
+  whose scales are float32 per block (`exact_payload` false: `BlockFloatQuantize`),
+  the value itself, bit for bit, with no tensor scale.
 
-On every example of `FloatQuantize`, `MXQuantize` and `NVFP4Quantize` in the
-catalogue, on random data, a NaN, zeros and bfloat16 input. Planted beside them:
-a payload with the tensor scale left in (not exact in bfloat16), and a storage
-dtype too narrow for the codes.
+On every example of `FloatQuantize`, `MXQuantize`, `NVFP4Quantize`,
+`BlockFloatQuantize` and `RowFloatQuantize` in the catalogue, on random data, a
+NaN, zeros and bfloat16 input. Planted beside them: a payload with the tensor scale
+left in (not exact in bfloat16), a storage dtype too narrow for the codes, and
+a quantiser with float32 block scales that claims an exact payload.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from eqxrules._rules._encoded import Encoded, LowPrecision
 KEY = jax.random.key(2)
 QUANTIZERS = [
     q
-    for cls in (eqxrules.FloatQuantize, eqxrules.MXQuantize, eqxrules.NVFP4Quantize)
+    for cls in (
+        eqxrules.FloatQuantize,
+        eqxrules.MXQuantize,
+        eqxrules.NVFP4Quantize,
+        eqxrules.BlockFloatQuantize,
+        eqxrules.RowFloatQuantize,
+    )
     for q in cls.examples(KEY)
 ]
 
@@ -49,10 +58,12 @@ def _key(q):
     return KEY if q.needs_key() else None
 
 
-def _problems(q, payload=None, storage=None) -> list[str]:
-    """What fails of the statements above for `q`, on every input."""
+def _problems(q, payload=None, storage=None, exact=None) -> list[str]:
+    """What fails of the statements above for `q` (`exact`: whether it claims an
+    exact payload, `q.exact_payload` unless given), on every input."""
     out = []
     payload = payload or q.payload
+    exact = q.exact_payload if exact is None else exact
     for name, x in _inputs(q).items():
         e = q.encode(x, key=_key(q))
         value = q(x, key=_key(q))
@@ -66,12 +77,16 @@ def _problems(q, payload=None, storage=None) -> list[str]:
             out.append(f"{name}: the stored parts are not the parts")
         p, t = payload(e, x)
         p = np.asarray(p, np.float32)
+        # The value before its cast to the input's dtype.
+        v = np.asarray(q.decode(e, jax.ShapeDtypeStruct(x.shape, jnp.float32)))
+        if not exact:
+            if t is not None or not np.array_equal(p, v, equal_nan=True):
+                out.append(f"{name}: the payload is not the value")
+            continue
         if not np.array_equal(
             np.asarray(jnp.asarray(p, jnp.bfloat16), np.float32), p, equal_nan=True
         ):
             out.append(f"{name}: the payload is not exact in bfloat16")
-        # The value before its cast to the input's dtype.
-        v = np.asarray(q.decode(e, jax.ShapeDtypeStruct(x.shape, jnp.float32)))
         scaled = p if t is None else p * np.float32(t)
         finite = np.isfinite(v)
         if not np.all(
@@ -125,3 +140,20 @@ def test_planted_storage_too_narrow_is_caught():
     q = eqxrules.FloatQuantize(format="e4m3", scale="amax")
     narrow = (jnp.float4_e2m1fn, None)
     assert any("stored parts" in p for p in _problems(q, storage=narrow))
+
+
+def test_planted_float32_block_scales_claiming_an_exact_payload_are_caught():
+    q = eqxrules.BlockFloatQuantize(block_size=16)
+    assert not q.exact_payload
+    assert any("not exact in bfloat16" in p for p in _problems(q, exact=True))
+
+
+def test_planted_payload_other_than_the_value_is_caught():
+    """Planted: float32 block scales, the value's payload rounded to bfloat16."""
+    q = eqxrules.BlockFloatQuantize(block_size=16)
+
+    def rounded(e, like):
+        value = q.decode(e, jax.ShapeDtypeStruct(like.shape, jnp.float32))
+        return value.astype(jnp.bfloat16).astype(jnp.float32), None
+
+    assert any("not the value" in p for p in _problems(q, payload=rounded))

@@ -108,8 +108,14 @@ def test_lowp_training_quick_trains_every_row(example, quick):
         recipes.NVFP4(square_weight_blocks=False),
         example.LastBlock(recipes.nvfp4(), recipes.mxfp8()),
         recipes.mxfp8(),
+        recipes.MXFP8(scale_rounding="floor"),
+        recipes.FP8Blockwise(block_size=32),
+        recipes.fp8_rowwise(),
+        recipes.mxfp4(),
+        recipes.NVFP4(four_over_six=True),
     ]
-    assert [row.attention for row in example.ROWS] == [None] * 9 + [recipes.mxfp8()]
+    attention = [row.attention for row in example.ROWS]
+    assert attention == [None] * 9 + [recipes.mxfp8()] + [None] * 5
     # The per-layer row's function: the last block's layers in mxfp8().
     per_layer = example.ROWS[8].recipe.for_depth(2)
     assert per_layer("blocks[1].mlp_in") == recipes.mxfp8()
@@ -153,6 +159,22 @@ def test_checks_catch_a_detached_layer_and_a_recipe_that_quantises_nothing(
     problems = row_problems(example, planted, r, results["float32"])
     assert any("got no weight gradient" in p for p in problems), problems
     assert any("float32's gradients" in p for p in problems), problems
+
+
+def test_the_model_example_describes_the_data_and_the_model(load_example):
+    """`lowp_training_model.py` alone: the corpus, the parameters (counted here
+    from the architecture: embedding, positions, per block two layer norms, the
+    fused q·k·v and output projections without bias, the MLP with bias; the final
+    norm; the readout tied), and an untrained loss near a uniform model's."""
+    model = load_example("lowp_training_model")
+    with contextlib.redirect_stdout(io.StringIO()):
+        r = model.main(quick=True)
+    s = model.QUICK
+    w, h = s.width, s.hidden
+    block = 2 * 2 * w + 3 * w * w + w * w + (w * h + h) + (h * w + w)
+    assert r["parameters"] == 256 * w + s.context * w + s.depth * block + 2 * w
+    assert abs(r["loss"] - UNIFORM) < 0.5, r["loss"]
+    assert r["corpus"]["ascii"] and r["corpus"]["bytes"] > 0
 
 
 def test_a_recipe_that_draws_random_numbers_needs_a_key(example):

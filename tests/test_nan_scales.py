@@ -14,7 +14,7 @@ import pytest
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._rules import blocks, floats
+from eqxrules._rules import blocks, floats, nvfp4
 
 X = jnp.ones((128, 64)).at[5, 7].set(jnp.nan)  # 8192 elements, one NaN
 CASES = {
@@ -48,6 +48,7 @@ def test_planted_plain_max_is_caught(monkeypatch):
 
     monkeypatch.setattr(floats, "amax", plain)
     monkeypatch.setattr(blocks, "amax", plain)
+    monkeypatch.setattr(nvfp4, "amax", plain)
     # A fresh instance of each: its jitted call traced again with the patch.
     missed = [
         name

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import eqxrules
-from eqxrules._rules import blocks, floats
+from eqxrules._rules import blocks, floats, nvfp4
 
 F32 = np.float32
 CAST = {
@@ -106,17 +106,18 @@ def test_square_blocks_serve_both_products():
 
 
 def test_planted_blocks_of_the_wrong_shape_are_caught(monkeypatch):
-    # The defect: 16 rows by 16 columns grouped without the transposition, so a
-    # "block" is 16 consecutive elements of a row from each of 16 tiles' rows.
+    # The defect: each block gathered as 16 consecutive elements of the rows of
+    # 16 tiles side by side (the split in place done without the transposition
+    # that makes a tile), so that a "block" spans several tiles.
     def unswapped(x, axis, size):
         if isinstance(axis, int):
             return honest(x, axis, size)
-        x = jnp.moveaxis(x, axis, (-2, -1))
-        *lead, n0, n1 = x.shape
-        return x.reshape(*lead, n0 // size, n1 // size, size * size)
+        split = honest(x, axis, size)
+        return split.transpose(0, 2, 1, 3).reshape(split.shape)
 
     honest = blocks._to_blocks
     monkeypatch.setattr(blocks, "_to_blocks", unswapped)
+    monkeypatch.setattr(nvfp4, "_to_blocks", unswapped)
     assert _nvfp4_2d_mismatches() != {}
 
 

@@ -6,6 +6,7 @@ products gets. Data only; [`quantized_dot`][eqxrules.quantized_dot] reads it thr
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -13,8 +14,9 @@ import jax.tree_util as jtu
 
 from .._catalogue import Rule
 from .._hyper import Check, at_least, check_fields, hyperparameter, integer, one_of
-from .._rules.blocks import BlockQuantizer, MXQuantize, NVFP4Quantize
+from .._rules.blocks import BlockQuantizer, MXQuantize, scale_rule
 from .._rules.floats import FloatQuantize, element_format
+from .._rules.nvfp4 import NVFP4Quantize
 
 
 def _is_quantizer(v: Any) -> bool:
@@ -32,6 +34,7 @@ quantizer = Check(
     TypeError,
     ("e4m3", 3),
 )
+boolean = Check("be a bool", lambda v, _: isinstance(v, bool), TypeError, (1,))
 power_of_two = Check(
     "be a power of two >= 2",
     lambda v, _: v >= 2 and (v & (v - 1)) == 0,
@@ -155,11 +158,19 @@ def reads_key(products: Custom) -> list[str]:
 
 
 class MXFP8(Recipe):
-    r"""MXFP8 training (Transformer Engine's `MXFP8BlockScaling`): every operand of
-    every product in [`MXQuantize`][eqxrules.MXQuantize] blocks of `block_size`
-    along the dimension that product reduces (so $x$, $w$ and $\bar y$ are each
-    quantised twice, once per product they enter, from their float values), power
-    of two (E8M0) scales, rounding to nearest.
+    r"""MXFP8 training (Transformer Engine's `MXFP8BlockScaling`; NVIDIA,
+    "Recipes for pre-training LLMs with MXFP8", arXiv 2506.08027): every operand
+    of every product in [`MXQuantize`][eqxrules.MXQuantize] blocks of
+    `block_size` along the dimension that product reduces (so $x$, $w$ and
+    $\bar y$ are each quantised twice, once per product they enter, from their
+    float values), power of two (E8M0) scales, rounding to nearest.
+
+    The scales are rounded up by default, $X = 2^{\lceil \log_2(a/M) \rceil}$
+    for a block of amax $a$ and element maximum $M$, as in NVIDIA's recipe,
+    JAX's `scaled_dot_general` and qwix: the OCP rule,
+    $X = 2^{\lfloor \log_2 a \rfloor - e_\max}$, clips the largest elements
+    of a block whose amax has a larger significand than $M$ (above 1.75 for
+    E4M3: by up to 12.5%), and the paper reports that it can diverge.
 
     **Arguments:**
 
@@ -168,19 +179,26 @@ class MXFP8(Recipe):
     - `gradient_format`: that of $\bar y$; `"e4m3"` by default (Transformer
         Engine's `HYBRID` is `"e5m2"`).
     - `block_size`: elements per block, 32 in the OCP MX specification.
+    - `scale_rounding`: `"ceil"` (the default: nothing saturates) or `"floor"`
+        (the OCP specification's rule).
     """
 
     format: str = hyperparameter("e4m3", element_format)
     gradient_format: str = hyperparameter("e4m3", element_format)
     block_size: int = hyperparameter(32, at_least(1, integer))
+    scale_rounding: str = hyperparameter("ceil", scale_rule)
 
     def __check_init__(self) -> None:
         check_fields(self, "MXFP8")
 
     def products(self) -> Custom:
         """Every operand in MX blocks along its product's reduced dimension."""
-        q = MXQuantize(format=self.format, block_size=self.block_size)
-        g = MXQuantize(format=self.gradient_format, block_size=self.block_size)
+        q, g = (
+            MXQuantize(
+                format=f, block_size=self.block_size, scale_rounding=self.scale_rounding
+            )
+            for f in (self.format, self.gradient_format)
+        )
         return Custom(fwd=Product(q, q), dx=Product(g, q), dw=Product(q, g))
 
 
@@ -235,6 +253,10 @@ class NVFP4(Recipe):
     - `gradient_rounding`: `"stochastic"` (the default) or `"nearest"`.
     - `hadamard`: the Hadamard block size on the weight-gradient product (16), or
         `None` for no transform.
+    - `four_over_six`: `False` (the default), or `True` for every operand in
+        [`NVFP4Quantize(four_over_six=True)`][eqxrules.NVFP4Quantize]: each block
+        scaled to 4 or to 6, whichever errs less (Four Over Six, arXiv
+        2512.02010; Transformer Engine's `nvfp4_4over6`).
 
     !!! Example
 
@@ -245,22 +267,21 @@ class NVFP4(Recipe):
         ```
     """
 
-    square_weight_blocks: bool = hyperparameter(
-        True, Check("be a bool", lambda v, _: isinstance(v, bool), TypeError, (1,))
-    )
+    square_weight_blocks: bool = hyperparameter(True, boolean)
     gradient_rounding: str = hyperparameter(
         "stochastic", one_of("nearest", "stochastic")
     )
     hadamard: int | None = hyperparameter(16, power_of_two, allow_none=True)
+    four_over_six: bool = hyperparameter(False, boolean)
 
     def __check_init__(self) -> None:
         check_fields(self, "NVFP4")
 
     def products(self) -> Custom:
         """The three products of Transformer Engine's NVFP4 recipe."""
-        a = NVFP4Quantize()
-        g = NVFP4Quantize(rounding=self.gradient_rounding)
-        w = NVFP4Quantize(axis=(0, 1)) if self.square_weight_blocks else a
+        a = NVFP4Quantize(four_over_six=self.four_over_six)
+        g = dataclasses.replace(a, rounding=self.gradient_rounding)
+        w = dataclasses.replace(a, axis=(0, 1)) if self.square_weight_blocks else a
         return Custom(
             fwd=Product(a, w),
             dx=Product(g, w),

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._tangents import _cotangent_like, _vary, varying_axes
+from . import quantise
 from .core import product
 from .ops import Op
-from . import quantise
 from .quantise import (
     Saved,
     keys_of,

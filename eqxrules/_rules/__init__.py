@@ -13,6 +13,8 @@ from . import quantize as quantize
 from . import learned as learned
 from . import floats as floats
 from . import blocks as blocks
+from . import nvfp4 as nvfp4
+from . import fine_grained as fine_grained
 from . import straight_through as straight_through
 from . import categorical as categorical
 from . import stop_gradient as stop_gradient

@@ -13,7 +13,9 @@ from .sign import SteSign as SteSign, ApproxSign as ApproxSign, SwishSign as Swi
 from .quantize import SteRound as SteRound, SteQuantize as SteQuantize, DoReFa as DoReFa, StochasticRound as StochasticRound
 from .learned import LSQ as LSQ, PACT as PACT
 from .floats import FloatQuantize as FloatQuantize
-from .blocks import MXQuantize as MXQuantize, NVFP4Quantize as NVFP4Quantize
+from .blocks import MXQuantize as MXQuantize
+from .nvfp4 import NVFP4Quantize as NVFP4Quantize
+from .fine_grained import BlockFloatQuantize as BlockFloatQuantize, RowFloatQuantize as RowFloatQuantize
 from .straight_through import StraightThrough as StraightThrough
 from .categorical import StraightThroughOneHot as StraightThroughOneHot, GumbelSoftmax as GumbelSoftmax
 from .stop_gradient import StopGradient as StopGradient, stop_gradient_call as stop_gradient_call, Frozen as Frozen, frozen_call as frozen_call, Detach as Detach, Standardize as Standardize
@@ -105,16 +107,28 @@ def float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', scale
 scale·round_fmt(clip(x/scale, ±max)) to FP8/FP6/FP4 (e4m3, e5m2, e3m2, e2m3, e2m1), ties to even or unbiased stochastic (`rounding`); derivative `t·[|x/scale| <= max]`."""
 
 
-def mx_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e2m1', block_size: int = 32, axis: int = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
-    """Functional form of [`MXQuantize`][]: `mx_quantize(x, *, format='e2m1', block_size=32, axis=-1, rounding='nearest', key=None)`.
+def mx_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e2m1', block_size: int = 32, axis: int = -1, rounding: str = 'nearest', scale_rounding: str = 'floor', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`MXQuantize`][]: `mx_quantize(x, *, format='e2m1', block_size=32, axis=-1, rounding='nearest', scale_rounding='floor', key=None)`.
 
-OCP MX: blocks of block_size along axis share the scale X = 2^(floor(log2 amax) − emax); X·round_fmt(clip(x/X)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
+OCP MX: blocks of block_size along axis share the scale X = 2^(floor(log2 amax) − emax), or 2^ceil(log2(amax/max)) (`scale_rounding`); X·round_fmt(clip(x/X)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
 
 
-def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, block_size: int = 16, axis: int | tuple[int, int] = -1, rounding: str = 'nearest', axis_name: Any = None, key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
-    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, block_size=16, axis=-1, rounding='nearest', axis_name=None, key=None)`.
+def nvfp4_quantize(x: Float[ArrayLike, '*shape'], *, block_size: int = 16, axis: int | tuple[int, int] = -1, rounding: str = 'nearest', axis_name: Any = None, four_over_six: bool = False, key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`NVFP4Quantize`][]: `nvfp4_quantize(x, *, block_size=16, axis=-1, rounding='nearest', axis_name=None, four_over_six=False, key=None)`.
 
-NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3(amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
+NVFP4: t = amax(x)/(448·6), per block of 16 along axis s = round_e4m3(amax_block/6/t), d = t·s, d·round_e2m1(clip(x/d, ±6)), nearest or unbiased stochastic (`rounding`); or each block scaled to 4 or 6, whichever errs less, under t = amax(x)/(256·6) (`four_over_six`); derivative `t`."""
+
+
+def block_float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', block_size: int = 128, axis: int | tuple[int, int] = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`BlockFloatQuantize`][]: `block_float_quantize(x, *, format='e4m3', block_size=128, axis=-1, rounding='nearest', key=None)`.
+
+DeepSeek-V3's fine-grained FP8: blocks of block_size along axis (or square over two) each scaled by float32 s = amax/max; s·round_fmt(clip(x/s)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
+
+
+def row_float_quantize(x: Float[ArrayLike, '*shape'], *, format: str = 'e4m3', block_size: int = 1, axis: int = -1, rounding: str = 'nearest', key: PRNGKeyArray | None = None) -> Float[Array, '*shape']:
+    """Functional form of [`RowFloatQuantize`][]: `row_float_quantize(x, *, format='e4m3', block_size=1, axis=-1, rounding='nearest', key=None)`.
+
+row-wise FP8: each row along axis shares X = 2^ceil(log2(amax/max)); X·round_fmt(clip(x/X)), nearest or unbiased stochastic (`rounding`); derivative `t`."""
 
 
 def straight_through(x: ArrayLike, *, forward: Callable[[Array], PyTree], surrogate: Callable[[Array], PyTree]) -> PyTree:
@@ -241,6 +255,10 @@ __all__ = [
     "mx_quantize",
     "NVFP4Quantize",
     "nvfp4_quantize",
+    "BlockFloatQuantize",
+    "block_float_quantize",
+    "RowFloatQuantize",
+    "row_float_quantize",
     "StraightThrough",
     "straight_through",
     "StraightThroughOneHot",

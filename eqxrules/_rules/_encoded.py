@@ -27,7 +27,7 @@ quantiser's own (its value *is* `decode(encode(x))`). Two uses:
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -67,7 +67,14 @@ class Encoded(NamedTuple):
 
 
 class LowPrecision(eqx.Module):
-    """The quantisers whose value is codes times scales (the module docstring)."""
+    """The quantisers whose value is codes times scales (the module docstring).
+
+    `exact_payload` is `False` for a quantiser whose scales are float32 per block
+    (`BlockFloatQuantize`): no payload is then exact in bfloat16 beside a scalar
+    tensor scale, so its `payload` is the value itself, `(value, None)`, and a
+    product must take it at `HIGHEST` precision."""
+
+    exact_payload: ClassVar[bool] = True
 
     @abc.abstractmethod
     def encode(self, x: Array, *, key: PRNGKeyArray | None = None) -> Encoded:
@@ -82,8 +89,8 @@ class LowPrecision(eqx.Module):
     @abc.abstractmethod
     def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
         """`(p, t)`: float32 `p` of `like`'s shape, exactly representable in
-        bfloat16, and the tensor scale `t` (`None` for 1), with `t · p` the value
-        to within one rounding."""
+        bfloat16 (where `exact_payload`; else the value), and the tensor scale `t`
+        (`None` for 1), with `t · p` the value to within one rounding."""
 
     @abc.abstractmethod
     def storage(self) -> tuple[Any, Any]:

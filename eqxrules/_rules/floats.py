@@ -65,7 +65,7 @@ scale_or_amax = Check(
     after=(_real_or_amax,),
 )
 pair_of_axes = Check(
-    "be an int, or a pair of ints (16x16 blocks over both axes)",
+    "be an int, or a pair of ints (square blocks over both axes)",
     lambda v, m: (
         axis_index.holds(v, m)
         or (
