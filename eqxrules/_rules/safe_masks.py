@@ -329,16 +329,17 @@ class SafeXlogy(JVPRule):
     r"""`x · log(y)`, which is 0 where `x` is 0, with derivatives finite (0) at
     $(0, 0)$: entropy and cross-entropy of distributions with zeros.
 
-    $$q = \begin{cases} x \log y & x \neq 0 \\ 0 & x = 0 \end{cases}, \qquad
+    $$q = \begin{cases} x \log y & (x, y) \neq (0, 0) \\ 0 & (x, y) = (0, 0)
+    \end{cases}, \qquad
     \dot q = \begin{cases} \dot x \log y + \dot y\, x / y & (x, y) \neq (0, 0)
     \\ 0 & (x, y) = (0, 0) \end{cases}$$
 
-    with `x` and `y` broadcast together. The value is 0 wherever `x == 0`
-    ($-0.0$ counts) and `y` is not NaN, whatever `y` is (`scipy.special.xlogy`'s
-    convention: $0 \log 0 = 0$, so that $-\sum_i p_i \log p_i$ is the entropy of
-    a distribution with zeros). The derivative in `x` is $\log y$, in `y` it is
-    $x / y$, which is 0 wherever `x` is; at $(0, 0)$ both are 0, and so is every
-    higher derivative, in both modes. The plain `x * jnp.log(y)` behind
+    with `x` and `y` broadcast together. The value is 0 wherever `x == 0` ($-0.0$
+    counts) and `y` is finite and non-negative: $0 \log 0 = 0$, so that
+    $-\sum_i p_i \log p_i$ is the entropy of a distribution with zeros. The
+    derivative in `x` is $\log y$, in `y` it is $x / y$, which is 0 wherever `x`
+    is; at $(0, 0)$ both are 0, and so is every higher derivative, in both
+    modes. The plain `x * jnp.log(y)` behind
     `jnp.where(x == 0, 0, ...)`, and `jax.scipy.special.xlogy`, give $(-\infty,
     \mathrm{NaN})$ there. With these conventions the entropy
     $-\sum_i \mathrm{xlogy}(p_i, p_i)$ has the gradient $-(\log p_i + 1)$ where
@@ -346,9 +347,12 @@ class SafeXlogy(JVPRule):
 
     Elsewhere values and derivatives are the plain formula's: $x \log 0$ is
     $\mp\infty$ for $x \gtrless 0$, with infinite derivatives, as it should be
-    (a cross-entropy that puts zero probability on an observed outcome). A NaN in
-    `x` or `y` makes its element's value NaN, and a NaN `y` its derivatives too
-    (the derivative in `x`, $\log y$, does not depend on `x`).
+    (a cross-entropy that puts zero probability on an observed outcome); and
+    $0 \cdot \log y$ is NaN for a negative or infinite `y`, where it has no
+    value (`scipy.special.xlogy` gives 0 there: a negative probability is a bug
+    upstream that a 0 would hide, as [`SafeSqrt`][] keeps `sqrt`'s NaN). A NaN
+    in `x` or `y` makes its element's value NaN, and a NaN `y` its derivatives
+    too (the derivative in `x`, $\log y$, does not depend on `x`).
 
     The dtype is that of `x` and `y` together (`jnp.result_type`); bfloat16 and
     float16 are computed in float32 and cast back.
@@ -374,10 +378,17 @@ class SafeXlogy(JVPRule):
     def _check_call(self, args: tuple[Any, ...]) -> None:
         check_inputs(self.rule_name(), args, {"x": "float", "y": "float"})
 
+    def _log_y(self, wx: Array, wy: Array) -> tuple[Array, Array, Array]:
+        """`(x == 0 and y == 0, y fed 1 there, its log)`: what the value and the
+        tangent share (XLA computes them once)."""
+        both = (wx == 0) & (wy == 0)
+        y1 = jnp.where(both, 1, wy)
+        return both, y1, jnp.log(y1)
+
     def primal(self, x: Float[Array, "*x"], y: Float[Array, "*y"]) -> Array:
         dtype, (wx, wy) = widened(x, y)
-        q = wx * jnp.log(wy)
-        return jnp.where((wx == 0) & ~jnp.isnan(wy), zeros(q), q).astype(dtype)
+        # `0 · log 1 = 0` at (0, 0); elsewhere the plain product.
+        return (wx * self._log_y(wx, wy)[2]).astype(dtype)
 
     def tangent(
         self,
@@ -392,27 +403,27 @@ class SafeXlogy(JVPRule):
             return None
         w = wide(out.dtype)
         wx, wy = jnp.asarray(x, w), jnp.asarray(y, w)
-        both = (wx == 0) & (wy == 0)
-        # At (0, 0) `y` is fed 1, so that no `log 0` or `0/0` reaches this or its
-        # own derivative (second order), and the tangent is selected to be 0 there
-        # (one select for both inputs): an inf or NaN tangent there gives 0.
-        # Elsewhere the slopes multiply: `log y` is 0 at `y = 1` and `x/y` at
-        # `x = 0` as smooth functions, whose own derivatives (the mixed second
-        # derivative `1/y`) a select would lose. But `x/y` is 0 at `y = ±inf` with
-        # every derivative: selected there.
-        y1 = jnp.where(both, 1, wy)
+        both, y1, log_y = self._log_y(wx, wy)
+        # At (0, 0) no `log 0` or `0/0` reaches this or its own derivative (second
+        # order). Elsewhere the slopes multiply: `log y` is 0 at `y = 1` and
+        # `x/y` at `x = 0` as smooth functions, whose own derivatives (the mixed
+        # second derivative `1/y`) a select would lose.
         num = jnp.zeros(out.shape, w)
         if t_x is not None:
-            num = num + t_x.astype(w) * jnp.log(y1)
+            num = num + t_x.astype(w) * log_y
         if t_y is not None:
-            by_y = t_y.astype(w) * (wx / y1)
-            num = num + jnp.where(jnp.isinf(wy), zeros(by_y), by_y)
-        return jnp.where(both, zeros(num), num).astype(out.dtype)
+            # `1/y`, fed inf at (0, 0): 0 there, with every derivative (so the
+            # mixed second derivative is 0 there, as that of `log y`); and 0 at
+            # `y = ±inf`. Where it is 0 the tangent is selected, not multiplied.
+            r = 1 / jnp.where(both, jnp.inf, wy)
+            by_y = t_y.astype(w) * (wx * r)
+            num = num + jnp.where(r == 0, zeros(by_y), by_y)
+        return num.astype(out.dtype)
 
     def reference_forward(self, x: Array, y: Array) -> Array:
         dtype, (wx, wy) = widened(x, y)
-        at_zero = jnp.where(jnp.isnan(wy), wy, 0)
-        return jnp.where(wx == 0, at_zero, wx * jnp.log(wy)).astype(dtype)
+        both = (wx == 0) & (wy == 0)
+        return jnp.where(both, 0, wx * jnp.log(wy)).astype(dtype)
 
     def reference_derivative(self, x: Array, y: Array) -> Array:
         """The double where: `x log y` with `y` fed 1 at (0, 0), selected away there;

@@ -68,7 +68,8 @@ class SafeNorm(_Reduction):
     `jnp.linalg.norm` gives NaN). Second derivatives are $(I - u u^\top)/n$ with
     $u = x/n$ away from zero and 0 on a zero slice, finite in every mode, and
     right at every scale where they are finite in float32 ($n$ from about
-    $10^{-38}$ to $10^{38}$): the tangent never squares $n$.
+    $10^{-38}$ to $10^{38}$): they are [`SafeNormalize`][]'s Jacobian, which
+    never squares $n$.
 
     Where the sum of squares neither overflows nor underflows, the value is
     `jnp.linalg.norm`'s bit for bit (up to summation order: within 4 ulps).
@@ -119,17 +120,16 @@ class SafeNorm(_Reduction):
         if t is None:
             return None
         w = x.astype(wide(x.dtype))
-        n = jnp.reshape(out, kept_shape(x.shape, self.axis)).astype(w.dtype)
-        # `u = x/n` as `(x/p) · (1/(n/p))`, with `p` a power of two near `n` (held
-        # constant): `x/p` and `n/p` are of order 1, so neither `u` nor its own
-        # derivative (the second derivative, `(I − u uᵀ)/n`, which JAX takes of
-        # this function) squares `n`: `1/n²` is inf for `n` near 1e-20 and 0 for
-        # `n` near 1e20 in float32, where the Hessian itself is finite. `1/(n/p)`
-        # is 0 on a zero slice (one select per slice, none per element), whose
-        # tangent is then 0.
-        inv_p = 1 / power_of_two_near(n)
-        s = n * inv_p
-        u = (w * inv_p) * safe_inverse(s, s == 0)
+        # `u = x/‖x‖` through its own rule, 0 on a zero slice (whose tangent is
+        # then 0). The derivative of this tangent (the second derivative, which
+        # JAX takes of this function) is then `SafeNormalize`'s, `(t − u⟨u, t⟩)/n`:
+        # it never squares `n`, which is inf for `n` near 1e-20 and 0 near 1e20 in
+        # float32, where the Hessian `(I − u uᵀ)/n` is finite.
+        axes = tuple(range(w.ndim)) if self.axis is None else self.axis
+        if w.ndim == 0:  # the norm of a number, `|x|`: along an axis of one
+            u = jnp.reshape(SafeNormalize(0)(jnp.reshape(w, (1,))), ())
+        else:
+            u = SafeNormalize(axes)(w)
         dot = jnp.sum(u * t.astype(w.dtype), axis=self.axis, keepdims=True)
         return jnp.reshape(dot, out.shape).astype(x.dtype)
 
