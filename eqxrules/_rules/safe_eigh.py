@@ -79,7 +79,20 @@ class SafeEigh(JVPRule):
     distinct but within $\tau$, whose true derivative has terms of order
     $1/\tau$.
 
-    A NaN or inf in `a` makes its matrix's value and derivative NaN.
+    **Second derivatives** are finite everywhere, in every mode (`hessian`,
+    `jacrev(jacrev)`, ...), and exact away from degeneracy. At a degenerate
+    spectrum they are not those of an invariant loss: its true Hessian has terms
+    $(f'(\lambda_i) - f'(\lambda_j)) / (\lambda_i - \lambda_j)$ (with $f$ the
+    loss as a function of the spectrum) that tend to $f''(\lambda)$ inside a
+    degenerate eigenspace. They belong to the loss, which a rule of `eigh` alone
+    cannot see, and are dropped with the first-order terms: at $a = I$ the
+    second derivative of $\sum_i \sin \lambda_i$ along $\dot a$ is then
+    $-\sin(1) \sum_i \dot a_{ii}^2$, where the true one is
+    $-\sin(1) \lVert (\dot a + \dot a^\top)/2 \rVert^2$.
+
+    A NaN or inf in `a` gives NaN eigenvalues (those of the part of `a` it
+    reaches: LAPACK splits a block-diagonal matrix), and NaN derivatives with
+    them; no other matrix of a batch is changed.
 
     **Returns:** a tuple `(eigenvalues, eigenvectors)` of shapes `(..., n)` and
     `(..., n, n)`, as `jnp.linalg.eigh(a)` (eigenvalues in ascending order, the

@@ -17,6 +17,8 @@ from .._domain import Inputs, Mask
 from .._hyper import finite, function, hyperparameter
 from .._tangents import call_with_key, partial_jvp
 from ._safe import check_inputs, float_dtype, pow2, wide, widened, zeros
+
+
 class SafeDivide(JVPRule):
     r"""`a / b`, which is 0, with zero derivatives in `a` and `b`, where `b` is 0.
 

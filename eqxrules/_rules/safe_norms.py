@@ -16,7 +16,6 @@ from ._safe import (
     Axis,
     _Reduction,
     _Safe,
-    kept_shape,
     power_of_two_near,
     safe_inverse,
     wide,
@@ -284,4 +283,3 @@ class SafeSqrt(_Safe):
         root = jnp.sqrt(jnp.where(positive, x, 1))
         below = jnp.sqrt(jnp.where(negative, x, 1))
         return jnp.where(positive, root, jnp.where(negative, below, 0 * x))
-

@@ -55,7 +55,8 @@ class _RowRule(JVPRule):
             )
 
     def _check_call(self, args: tuple[Any, ...]) -> None:
-        name, (x, where) = self.rule_name(), (*args, None)[:2]
+        name, x = self.rule_name(), args[0]
+        where = args[1] if len(args) > 1 else None
         check_inputs(name, (x, where), {"x": "float", "where": "bool or None"})
         if where is not None:
             check_broadcasts(name, "where", where, jnp.shape(x))
