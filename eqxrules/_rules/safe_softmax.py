@@ -89,7 +89,8 @@ class SafeSoftmax(_RowRule):
     derivative. A row whose unmasked entries are all $-\infty$, or that has none
     (a padded sequence, a fully masked attention row), gives zeros, with a zero
     derivative in both modes and a finite (zero) Hessian: PyTorch's
-    `_safe_softmax` convention, where `jax.nn.softmax` gives NaN (JAX #6811). A
+    `_safe_softmax` convention, where `jax.nn.softmax` gives NaN for a row of
+    $-\infty$ (masking logits with $-\infty$ is the common way; JAX #6811). A
     masked-out entry gives 0, and its tangent is selected away: a NaN or inf
     there changes nothing. A NaN in an unmasked entry makes its row NaN, value
     and derivative; so does $+\infty$ (as `jax.nn.softmax`).
@@ -186,7 +187,8 @@ class SafeLogsumexp(_RowRule):
     $$\ell = \log \sum_j [m_j]\, e^{x_j}, \qquad
     \dot\ell = \sum_j y_j t_j, \quad y = \mathrm{softmax}_m(x),$$
 
-    the derivative being [`SafeSoftmax`][]'s value. The value is
+    the derivative being [`SafeSoftmax`][]'s value (but on a row holding
+    $+\infty$: see below). The value is
     `jax.nn.logsumexp(x, axis=axis, where=where)`'s wherever that is finite
     (within 4 ulps), including entries of magnitude up to `1e30` in float32
     (the largest entry is subtracted before `exp`, and its softmax computed
