@@ -37,7 +37,7 @@ def _empty(w: Array, where: Array | None, axis: Any) -> Array:
 
 class _RowRule(JVPRule):
     """A rule on `x` along `axis`, with an optional boolean `where` (the entries
-    taken part): `m(x)` or `m(x, where)`."""
+    that take part): `m(x)` or `m(x, where)`."""
 
     axis: int | tuple[int, ...] | None = hyperparameter(
         -1, axis_indices, allow_none=True, positional=True
@@ -103,7 +103,7 @@ class SafeSoftmax(_RowRule):
         axes a row runs along.
 
     Called as `m(x)` or `m(x, where)`, with `where` a boolean array that
-    broadcasts to `x` (`True` for the entries taken part).
+    broadcasts to `x` (`True` for the entries that take part).
 
     !!! Example
 
@@ -157,7 +157,7 @@ class SafeSoftmax(_RowRule):
 
     def reference_forward(self, x: Array, where: Array | None = None) -> Array:
         """The double where around `jax.nn.softmax`: an empty row is fed 0 with
-        every entry taken part (no NaN), and its value selected to 0."""
+        every entry taking part (no NaN), and its value selected to 0."""
         w = x.astype(wide(x.dtype))
         empty = _empty(w, where, self.axis)
         taken = ~empty if where is None else where & ~empty
@@ -207,7 +207,7 @@ class SafeLogsumexp(_RowRule):
         axes reduced.
 
     Called as `m(x)` or `m(x, where)`, with `where` a boolean array that
-    broadcasts to `x` (`True` for the entries taken part).
+    broadcasts to `x` (`True` for the entries that take part).
 
     !!! Example
 
@@ -282,7 +282,7 @@ class SafeLogsumexp(_RowRule):
 
     def reference_derivative(self, x: Array, where: Array | None = None) -> Array:
         """The double where around `jax.nn.logsumexp`: an empty row is fed 0 with
-        every entry taken part, and its value selected to the constant -inf."""
+        every entry taking part, and its value selected to the constant -inf."""
         w = x.astype(wide(x.dtype))
         empty = _empty(w, where, self.axis)
         taken = ~empty if where is None else where & ~empty
