@@ -257,6 +257,7 @@ def test_xlogy_cross_entropy_against_one_hot_targets():
     assert not any(np.isfinite(np.asarray(g)[:, 2]).any() for g in plain)
 
 
+@pytest.mark.slow  # about 4 s: eager second derivatives
 def test_xlogy_derivatives_at_and_beside_the_origin():
     """At (0, 0) every derivative is 0, the Hessian too; beside it the plain ones:
     `∂/∂x = log y` at `x = 0`, `∂/∂y = x/y` (0 at `x = 0`), and the mixed second
@@ -305,9 +306,15 @@ class _PlainXlogy(eqxrules.SafeXlogy):
 
 def test_the_checks_catch_an_xlogy_whose_derivative_at_the_origin_is_nan():
     """The planted defect: the tests above fail on it (the entropy's gradient is
-    NaN at `p = 0`), and so does `verify_rule` at the kink 0 of `x` and `y`."""
+    NaN at `p = 0`)."""
     p = jnp.array([0.5, 0.5, 0.0])
     grad = jax.grad(lambda p: _entropy(_PlainXlogy(), p))(p)
     assert np.isnan(np.asarray(grad)[2])
+
+
+@pytest.mark.slow  # verify_rule on a rule of two inputs
+def test_verify_rule_catches_an_xlogy_whose_derivative_at_the_origin_is_nan():
+    """... and so does `verify_rule`, at the kink 0 of `x` (with `y` drawn off its
+    kinks) and at the degenerate all-zero inputs."""
     problems = eqxrules.verify_rule(_PlainXlogy, raise_on_failure=False).problems
     assert any("`vjp`" in p or "`jvp`" in p for p in problems), problems
