@@ -19,7 +19,11 @@ from . import straight_through as straight_through
 from . import categorical as categorical
 from . import stop_gradient as stop_gradient
 from . import gradient as gradient
-from . import safe as safe
+from . import safe_norms as safe_norms
+from . import safe_angles as safe_angles
+from . import safe_masks as safe_masks
+from . import safe_softmax as safe_softmax
+from . import safe_eigh as safe_eigh
 from .._registry import library_names
 
 globals().update(library_names())

@@ -20,7 +20,11 @@ from .straight_through import StraightThrough as StraightThrough
 from .categorical import StraightThroughOneHot as StraightThroughOneHot, GumbelSoftmax as GumbelSoftmax
 from .stop_gradient import StopGradient as StopGradient, stop_gradient_call as stop_gradient_call, Frozen as Frozen, frozen_call as frozen_call, Detach as Detach, Standardize as Standardize
 from .gradient import GradientReversal as GradientReversal, GradientScale as GradientScale, ClipGradient as ClipGradient, ClipGradientNorm as ClipGradientNorm, ZeroNonFiniteGradient as ZeroNonFiniteGradient
-from .safe import SafeNorm as SafeNorm, SafeNormalize as SafeNormalize, SafeSqrt as SafeSqrt, SafeArccos as SafeArccos, SafeArcsin as SafeArcsin, SafeDivide as SafeDivide, safe_divide as safe_divide, SafeWhere as SafeWhere, safe_where as safe_where
+from .safe_norms import SafeNorm as SafeNorm, SafeNormalize as SafeNormalize, SafeSqrt as SafeSqrt
+from .safe_angles import SafeArccos as SafeArccos, SafeArcsin as SafeArcsin, SafeAtan2 as SafeAtan2
+from .safe_masks import SafeDivide as SafeDivide, safe_divide as safe_divide, SafeWhere as SafeWhere, safe_where as safe_where, SafeXlogy as SafeXlogy
+from .safe_softmax import SafeSoftmax as SafeSoftmax, safe_softmax as safe_softmax, SafeLogsumexp as SafeLogsumexp, safe_logsumexp as safe_logsumexp
+from .safe_eigh import SafeEigh as SafeEigh
 
 
 def ste_sign(x: Float[ArrayLike, '*shape'], clip_value: float | None = 1.0) -> Float[Array, '*shape']:
@@ -220,6 +224,24 @@ def safe_arcsin(x: Float[ArrayLike, '*shape']) -> Float[Array, '*shape']:
 
 arcsin(x); derivative `t/√(1 − x²)`, 0 at |x| = 1; |x| <= 1 + 4ε taken as ±1, NaN beyond."""
 
+
+def safe_atan2(y: Float[ArrayLike, '*y'], x: Float[ArrayLike, '*x']) -> Array:
+    """Functional form of [`SafeAtan2`][]: `safe_atan2(y, x)`.
+
+atan2(y, x); derivative `(x ẏ − y ẋ)/(x² + y²)`, 0 at the origin."""
+
+
+def safe_xlogy(x: Float[ArrayLike, '*x'], y: Float[ArrayLike, '*y']) -> Array:
+    """Functional form of [`SafeXlogy`][]: `safe_xlogy(x, y)`.
+
+x·log(y), 0 where x = 0; derivatives `log y` and `x/y`, 0 at (0, 0)."""
+
+
+def safe_eigh(a: Float[ArrayLike, '*batch n n']) -> tuple[Float[Array, '*batch n'], Float[Array, '*batch n n']]:
+    """Functional form of [`SafeEigh`][]: `safe_eigh(a)`.
+
+eigh(a): eigenvalues and eigenvectors of (a + aᵀ)/2; derivative `λ̇ = diag(Vᵀ ȧ V)`, `V̇ = V(F ∘ Vᵀ ȧ V)` with F = 1/(λⱼ − λᵢ), 0 where they are equal within 16 n ε max|λ|."""
+
 __all__ = [
     "ScaledModel",
     "scaled_call",
@@ -293,8 +315,18 @@ __all__ = [
     "safe_arccos",
     "SafeArcsin",
     "safe_arcsin",
+    "SafeAtan2",
+    "safe_atan2",
     "SafeDivide",
     "safe_divide",
     "SafeWhere",
     "safe_where",
+    "SafeXlogy",
+    "safe_xlogy",
+    "SafeSoftmax",
+    "safe_softmax",
+    "SafeLogsumexp",
+    "safe_logsumexp",
+    "SafeEigh",
+    "safe_eigh",
 ]
