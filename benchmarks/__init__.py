@@ -5,7 +5,9 @@
 
 (`python benchmarks/run.py` takes the same flags.) Each section is a module of
 `benchmarks/sections/` that measures and renders; its prose is in
-`benchmarks/templates/`. All run by default but `suite`, which runs with `--suite`.
+`benchmarks/templates/`. All run by default but `suite`, which runs with `--suite`,
+and `qwix`, which needs the `bench` extra (`python -m pip install -e '.[bench]'`)
+and runs with `--only qwix`.
 
 Nothing needs a GPU: on any device the figures record `device_kind`, and the
 measurements are the same.

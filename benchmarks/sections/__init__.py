@@ -19,6 +19,7 @@ from . import (
     quantized_conv,
     quantized_dot,
     quantized_dot_general,
+    qwix_mxfp8,
     ragged_dot,
     residuals,
     sr_step,
@@ -44,4 +45,5 @@ SECTIONS = (
     quantized_conv,
     quantized_dot_general,
     ragged_dot,
+    qwix_mxfp8,
 )
