@@ -161,8 +161,8 @@ MUTATIONS = [
         "block scale",
         "mx_quantize",
         BL,
-        "k = jnp.clip(exponent(top) - fmt.emax, -127, 127)",
-        "k = jnp.clip(jnp.ceil(jnp.log2(top)).astype(jnp.int32) - fmt.emax, -127, 127)",
+        "k = exponent(top) - fmt.emax",
+        "k = jnp.ceil(jnp.log2(top)).astype(jnp.int32) - fmt.emax",
     ),
     # Drop a parameter tangent.
     Mutation(

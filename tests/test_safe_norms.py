@@ -159,3 +159,29 @@ def test_check_rule_names_a_zero_slice():
     }
     assert reports[False].status == "passed" and reports[True].status == "failed"
     assert "index (0, 0) (input `args[0]` = 0)" in reports[True].describe()
+
+
+def _unit_where_the_norm_overflows(normalize: Any) -> tuple[np.ndarray, np.ndarray]:
+    # 16 elements of 2^126: the norm 2^128 overflows float32, the unit vector and
+    # the norm's gradient are 1/4 each.
+    x = jnp.full((16,), 2.0**126, jnp.float32)
+    return np.asarray(normalize(x)), np.asarray(jax.grad(eqxrules.safe_norm)(x))
+
+
+def test_unit_vector_where_the_norm_overflows():
+    u, g = _unit_where_the_norm_overflows(eqxrules.safe_normalize)
+    np.testing.assert_array_equal(u, 0.25)
+    np.testing.assert_array_equal(g, 0.25)
+
+
+def test_a_unit_vector_divided_by_the_overflowed_norm_is_caught(monkeypatch):
+    """Planted: `x / ‖x‖` with the norm scaled back first (inf here: 0 each)."""
+    from eqxrules._rules import safe_norms
+
+    def unscaled(w, axis):
+        p, r = safe_norms._scaled(w, axis)
+        return w / jnp.where(r == 0, 1, r * p)
+
+    monkeypatch.setattr(safe_norms, "_unit", unscaled)
+    u, g = _unit_where_the_norm_overflows(eqxrules.safe_normalize)
+    assert not (u == 0.25).all() and not (g == 0.25).all()

@@ -34,10 +34,26 @@ def _scaled_norm(w: Array, axis: Axis) -> Array:
     clipped to $[2^{-126}, 2^{126}]$ (float32; float64 likewise) so that $p$ and
     $1/p$ are both normal: a zero slice gets the smallest (its squares stay 0), an
     inf or NaN the largest (the inf or NaN stays)."""
+    p, r = _scaled(w, axis)
+    return r * p
+
+
+def _scaled(w: Array, axis: Axis) -> tuple[Array, Array]:
+    """`(p, r)` with the norm `r · p` (`_scaled_norm`): `p` the power of two, `r`
+    the norm of `w / p`, finite wherever `w` is."""
     m = jnp.max(jnp.abs(w), axis=axis, keepdims=True, initial=0)
     p = power_of_two_near(m)
     s = jnp.sum(jnp.square(w * (1 / p)), axis=axis, keepdims=True)
-    return jnp.sqrt(s) * p
+    return p, jnp.sqrt(s)
+
+
+def _unit(w: Array, axis: Axis) -> Array:
+    """`w / ‖w‖` as `(w / p) / r` (`_scaled`), 0 on a zero slice: bit for bit
+    `w / ‖w‖` where the norm is finite (`p` a power of two), and finite where the
+    norm overflows (a float32 slice of 16 elements of 1e38 has the norm 4e38 > 3.4e38,
+    yet its unit vector is 1/4 each)."""
+    p, r = _scaled(w, axis)
+    return (w * (1 / p)) / jnp.where(r == 0, 1, r)
 
 
 def _reference_norm(w: Array, axis: Axis) -> Array:
@@ -46,6 +62,11 @@ def _reference_norm(w: Array, axis: Axis) -> Array:
     overflow-safe norm, whose plain derivative is the double-where one."""
     m = jax.lax.stop_gradient(jnp.max(jnp.abs(w), axis=axis, keepdims=True))
     nonzero = m != 0
+    # Above 1, `w` is divided by `m · 2⁻⁴⁰` rather than `m`: the tangents `t/m`
+    # would fall below float32's smallest normal near `m = 1e38` (and flush to zero
+    # where |t| < 1 but not elsewhere), while `w/m` of order 2⁴⁰ squares without
+    # overflow.
+    m = jnp.where(m > 1, m * 2.0**-40, m)
     m_safe = jnp.where(nonzero, m, 1)
     s = jnp.sum(jnp.square(w / m_safe), axis=axis, keepdims=True)
     # A NaN slice has `m` NaN: not zero, so its NaN reaches value and derivative.
@@ -178,9 +199,7 @@ class SafeNormalize(_Reduction):
     )
 
     def primal(self, x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-        w = x.astype(wide(x.dtype))
-        n = _scaled_norm(w, self.axis)
-        return (w / jnp.where(n == 0, 1, n)).astype(x.dtype)
+        return _unit(x.astype(wide(x.dtype)), self.axis).astype(x.dtype)
 
     def tangent(
         self,
@@ -203,14 +222,14 @@ class SafeNormalize(_Reduction):
         # tangent, and its transpose, into the passes over `x` (measured: temp
         # bytes 1.0x the hand-written double where, against 3.0x with `out` kept).
         inv = safe_inverse(n, zero)
-        y, t = w * inv, t.astype(w.dtype)
+        y, t = _unit(w, self.axis), t.astype(w.dtype)
         dy = (t - y * jnp.sum(y * t, axis=self.axis, keepdims=True)) * inv
         return dy.astype(x.dtype)
 
     def reference_forward(self, x: Array) -> Array:
-        w = x.astype(wide(x.dtype))
-        n = _reference_norm(w, self.axis)
-        return jnp.where(n == 0, 0, w / jnp.where(n == 0, 1, n)).astype(x.dtype)
+        # `(x/m) / ‖x/m‖`, as `reference_derivative` (`x / ‖x‖` overflows its norm
+        # where the unit vector is finite: 16 elements of 1e38).
+        return self.reference_derivative(x)
 
     def reference_derivative(self, x: Array) -> Array:
         """`u / ‖u‖` with `u = x / m`, `m` the slice's largest magnitude (held
@@ -220,7 +239,11 @@ class SafeNormalize(_Reduction):
         w = x.astype(wide(x.dtype))
         m = jax.lax.stop_gradient(jnp.max(jnp.abs(w), axis=self.axis, keepdims=True))
         zero = m == 0
-        u = w / jnp.where(zero, 1, m)
+        # Above 1, `x` is divided by `m · 2⁻⁴⁰` rather than `m`: the tangents `t/m`
+        # would fall below float32's smallest normal near `m = 1e38` (and flush to
+        # zero where |t| < 1 but not elsewhere), while `u` of order 2⁴⁰ squares
+        # without overflow.
+        u = w / jnp.where(zero, 1, jnp.where(m > 1, m * 2.0**-40, m))
         s = jnp.sum(jnp.square(u), axis=self.axis, keepdims=True)
         y = u / jnp.sqrt(jnp.where(zero, 1, s))
         return jnp.where(zero, 0 * w, y).astype(x.dtype)
