@@ -18,7 +18,8 @@ import pytest
 import eqxrules
 from eqxrules import _layers, recipes
 
-MLP = eqx.nn.MLP(32, 32, 32, 1, key=jax.random.key(0))
+# Width 128: every recipe takes it (fp8_blockwise() tiles by 128).
+MLP = eqx.nn.MLP(128, 128, 128, 1, key=jax.random.key(0))
 PUBLIC = {n: getattr(recipes, n) for n in dir(recipes) if not n.startswith("_")}
 CLASSES = {
     n: o

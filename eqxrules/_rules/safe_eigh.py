@@ -183,3 +183,10 @@ class SafeEigh(JVPRule):
 
     def higher_order(self) -> bool:
         return False
+
+    def second_order(self) -> bool:
+        """`False`: the reference's second derivative is 0 (`reference_derivative`),
+        so `check_rule(order=2)` has nothing to compare with; the rule's second
+        derivatives are tested against central differences of its first
+        (tests/test_safe_eigh.py)."""
+        return False

@@ -418,7 +418,9 @@ class SafeXlogy(JVPRule):
             # mixed second derivative is 0 there, as that of `log y`); and 0 at
             # `y = ±inf`. Where it is 0 the tangent is selected, not multiplied.
             r = 1 / jnp.where(both, jnp.inf, wy)
-            by_y = t_y.astype(w) * (wx * r)
+            # `x · (t/y)` as plain autodiff orders it: `x/y` first overflows for
+            # `x` near float32's largest and `y` below 1 (`t` is usually smaller).
+            by_y = wx * (t_y.astype(w) * r)
             num = num + jnp.where(r == 0, zeros(by_y), by_y)
         return num.astype(out.dtype)
 
