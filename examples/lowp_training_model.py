@@ -80,7 +80,6 @@ QUICK = Settings(
 )  # fmt: skip
 
 
-
 # The data.
 
 
