@@ -325,6 +325,13 @@ def _lines(name: str, found: dict[str, Any]) -> list[str]:
             for label, r in zip(labels, rows):
                 cells = [_cell(r.get(c, "")) for c in columns]
                 out.append(f"| {label} | " + " | ".join(cells) + " |")
+            # A row's lists (a test file's failures) below the table.
+            out += [""] + [
+                f"- {label} {c}: {json.dumps(v)[:2000]}"
+                for label, r in zip(labels, rows)
+                for c, v in r.items()
+                if isinstance(v, list) and v and c != "argv"
+            ]
         else:
             out.append(f"- {key}: {json.dumps(value)[:2000]}")
     if "traceback" in found:

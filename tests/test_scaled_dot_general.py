@@ -1,12 +1,13 @@
 r"""`quantized_dot_general` with `recipes.MXFP8(scale_rounding="ceil")` against JAX's
 own MXFP8 product, `jax.nn.scaled_dot_general` (issue 41 §4), on the CPU.
 
-`jax.nn.scaled_dot_general` lowers on the CPU from JAX 0.12 (at 0.10.2 it raises
-`NotImplementedError: MLIR translation rule for primitive 'scaled_matmul' not found
-for platform cpu`; JAX 0.12 needs Python 3.12). So the comparisons are marked
-`newest`: `addopts` leaves them out, and `.ci/run`'s Python 3.12 run, at the newest
-JAX, selects them (`-m "not slow"`; checked here). Run at an older JAX they fail,
-saying why (`tests/conftest.py`): they are never skipped.
+`jax.nn.scaled_dot_general` lowers on the CPU from JAX 0.11 (checked at 0.11.0,
+0.11.2 and 0.12.0.1; at 0.10.2 it raises `NotImplementedError: MLIR translation
+rule for primitive 'scaled_matmul' not found for platform cpu`), which needs Python
+3.12. So the comparisons are marked `newest`: `addopts` leaves them out, and
+`.ci/run`'s Python 3.12 run, at the newest JAX, selects them (`-m "not slow"`;
+checked here). Run at an older JAX they fail, saying why (`tests/conftest.py`):
+they are never skipped.
 
 **The bound.** Both sides quantise $x$ and $w$ in blocks of 32 along $K$, E4M3
 elements times power-of-two scales, and multiply in float32. Each term $a_k b_k$ of
@@ -83,7 +84,7 @@ def _far(actual, expected, bound) -> int:
 CASES = [("normal", 0), ("normal", 1), ("heavy-tailed", 2)]
 
 
-@pytest.mark.newest(jax="0.12")
+@pytest.mark.newest(jax="0.11")
 @pytest.mark.parametrize("kind,seed", CASES)
 def test_scaled_dot_general_is_the_rounded_up_rule(kind, seed):
     """JAX's MXFP8 product is the float32 product of operands quantised by the
@@ -94,7 +95,7 @@ def test_scaled_dot_general_is_the_rounded_up_rule(kind, seed):
     assert _far(theirs, exact, one_side) == 0
 
 
-@pytest.mark.newest(jax="0.12")
+@pytest.mark.newest(jax="0.11")
 @pytest.mark.parametrize("kind,seed", CASES)
 def test_mxfp8_ceil_agrees_with_scaled_dot_general(kind, seed):
     x, w, exact, one_side, both = _case(kind, seed)
@@ -109,7 +110,7 @@ def test_mxfp8_ceil_agrees_with_scaled_dot_general(kind, seed):
     assert _far(np.asarray(default, np.float64), theirs, both) == 0
 
 
-@pytest.mark.newest(jax="0.12")
+@pytest.mark.newest(jax="0.11")
 def test_planted_floor_rule_disagrees_with_scaled_dot_general():
     """Planted: the OCP floor rule, `MXFP8(scale_rounding="floor")`, fails the
     check above on every case, by whole E4M3 steps: measured, most outputs (79 to
