@@ -176,6 +176,25 @@ def fresh_products(monkeypatch):
 # run takes `catalogue_wide and not later`, each entry's first example.
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `newest(jax=V)` needs JAX V or later (what it checks does not
+    run on an older one): `addopts` deselects it, `.ci/run`'s Python 3.12 run
+    selects it, and selected at an older JAX it fails saying so, never skipped."""
+    mark = item.get_closest_marker("newest")
+    if mark is not None and _version(jax.__version__) < _version(mark.kwargs["jax"]):
+        pytest.fail(
+            f"{item.name} needs JAX >= {mark.kwargs['jax']} (marked `newest`); this "
+            f"is JAX {jax.__version__}. It runs in .ci/run's Python 3.12 environment "
+            'at the newest JAX (`python -m pytest -m "not slow"` there); the '
+            "README's command leaves it out.",
+            pytrace=False,
+        )
+
+
 def _is_later_example(item: pytest.Item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
     index = params.get("index")

@@ -135,8 +135,10 @@ def unselected(run: str, readme_command: str, addopts: str) -> list[dict]:
     commands = []
     if 'tests eval "$cmd"' in run:
         commands.append(readme_command.split("&&")[-1])
+    # A run's own command, without what its shell line does with the exit status
+    # (`|| newest_rc=$?`).
     commands += [
-        line.strip().removesuffix("\\")[len("tests ") :]
+        line.strip().removesuffix("\\").split("||")[0][len("tests ") :]
         for line in run.splitlines()
         if line.strip().startswith("tests python -m pytest")
     ]
