@@ -112,8 +112,9 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
 
     def f_fwd(x, w, key):
         # The weight gradient's left operand, quantised now and kept in formats.
+        y = f(x, w, key)
         k_x, _, _ = keys(keys(key)[2])
-        return f(x, w, key), (_kept_positions(p.dw.lhs, x, k_x), w, key)
+        return y, (_kept_positions(p.dw.lhs, x, k_x), w, key)
 
     def f_bwd(residuals, dy):
         kept, w, key = residuals

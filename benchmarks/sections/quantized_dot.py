@@ -126,9 +126,10 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
 
     def f_fwd(x, w, key):
         # The weight gradient's left operand, quantised now and kept in formats.
+        y = f(x, w, key)
         k_x, _, signs = split(p.dw, keys(key)[2])
         kept = exact.kept(_along(p.dw.lhs, 0), rotated(x, 0, signs), k_x)
-        return f(x, w, key), (kept, w, key)
+        return y, (kept, w, key)
 
     def f_bwd(residuals, dy):
         kept, w, key = residuals

@@ -85,9 +85,10 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
 
     def f_fwd(q, k, key):
         # The weight gradient's left operand, quantised now and kept in formats.
+        y = f(q, k, key)
         r, _, k_r, _ = rotated(p.dw, q, 1, q, 1, keys(key)[2])
         kept = exact.kept(_blocked(p.dw.lhs, 1), r, k_r)
-        return f(q, k, key), (kept, k, key)
+        return y, (kept, k, key)
 
     def f_bwd(residuals, dy):
         kept, k, key = residuals
