@@ -56,24 +56,44 @@ def _conv(x: jax.Array, w: jax.Array, precision: Any = None) -> jax.Array:
     )
 
 
-def _along(q: Any, v: jax.Array, axis: int, key: Any) -> exact.Operand:
-    """`q` on `v` with its blocks along `axis` (square blocks over the kernel's
-    output and input channels, axes 0 and 1, as they are)."""
+def _blocked(q: Any, axis: int) -> Any:
+    """`q` with its blocks along `axis` (square blocks over the kernel's output and
+    input channels, axes 0 and 1, as they are)."""
     if isinstance(q, eqxrules.BlockQuantizer) and not isinstance(q.axis, tuple):
         q = dataclasses.replace(q, axis=axis)
-    return exact.quantised(q, v, key)
+    return q
+
+
+def _along(q: Any, v: jax.Array, axis: int, key: Any) -> exact.Operand:
+    """`q` on `v` with its blocks along `axis` (`_blocked`)."""
+    return exact.quantised(_blocked(q, axis), v, key)
+
+
+def _kept_positions(q: Any, v: jax.Array, key: Any) -> Any:
+    """`q` on `v` (NCHW) with its blocks along the batch and positions, kept in
+    formats (`exact.kept`): the channels moved first, the rest flattened (whose
+    length the shapes' blocks divide). An elementwise `q` (one scale per tensor)
+    has no blocks to lay out."""
+    if not isinstance(q, eqxrules.BlockQuantizer):
+        return exact.kept(q, v, key)
+    moved = jnp.moveaxis(v, 1, -1)
+    return exact.kept(_blocked(q, 0), moved.reshape(-1, moved.shape[-1]), key)
+
+
+def _loaded_positions(q: Any, k: Any, shape: tuple[int, ...]) -> exact.Operand:
+    """The operand `_kept_positions(q, v, key)` keeps for `v` of `shape`, as the
+    product takes it (the layout undone)."""
+    if not isinstance(q, eqxrules.BlockQuantizer):
+        return exact.loaded(q, k, jax.ShapeDtypeStruct(shape, F32))
+    n, c, h, w = shape
+    like = jax.ShapeDtypeStruct((n * h * w, c), F32)
+    out = exact.loaded(_blocked(q, 0), k, like)
+    return exact.reshaped(out, lambda u: jnp.moveaxis(u.reshape(n, h, w, c), -1, 1))
 
 
 def _positions(q: Any, v: jax.Array, key: Any) -> exact.Operand:
-    """`q` on `v` (NCHW) with its blocks along the batch and positions: the
-    channels moved first, the rest flattened (whose length the shapes' blocks
-    divide). An elementwise `q` (one scale per tensor) has no blocks to lay out."""
-    if not isinstance(q, eqxrules.BlockQuantizer):
-        return exact.quantised(q, v, key)
-    moved = jnp.moveaxis(v, 1, -1)
-    flat = moved.reshape(-1, moved.shape[-1])
-    out = _along(q, flat, 0, key)
-    return exact.reshaped(out, lambda u: jnp.moveaxis(u.reshape(moved.shape), -1, 1))
+    """`q` on `v` (NCHW) with its blocks along the batch and positions."""
+    return _loaded_positions(q, _kept_positions(q, v, key), tuple(v.shape))
 
 
 def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
@@ -91,24 +111,31 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
         return exact.contract(_conv, q_x, q_w)
 
     def f_fwd(x, w, key):
-        return f(x, w, key), (x, w, key)
+        # The weight gradient's left operand, quantised now and kept in formats.
+        y = f(x, w, key)
+        k_x, _, _ = keys(keys(key)[2])
+        return y, (_kept_positions(p.dw.lhs, x, k_x), w, key)
 
     def f_bwd(residuals, dy):
-        x, w, key = residuals
+        kept, w, key = residuals
         _, k_dx, k_dw = keys(key)
         k_g, k_w, _ = keys(k_dx)
+        x_like = jax.ShapeDtypeStruct((dy.shape[0], w.shape[1], *dy.shape[2:]), F32)
 
         def input_gradient(g, q_w, precision):
-            return jax.vjp(lambda a: _conv(a, q_w, precision), x)[1](g)[0]
+            return jax.linear_transpose(lambda a: _conv(a, q_w, precision), x_like)(g)[
+                0
+            ]
 
         q_g, q_w = _along(p.dx.lhs, dy, 1, k_g), _along(p.dx.rhs, w, 0, k_w)
         dx = exact.contract(input_gradient, q_g, q_w)
-        k_x, k_g, _ = keys(k_dw)
+        _, k_g, _ = keys(k_dw)
 
         def weight_gradient(q_x, g, precision):
             return jax.vjp(lambda b: _conv(q_x, b, precision), w)[1](g)[0]
 
-        q_x, q_g = _positions(p.dw.lhs, x, k_x), _positions(p.dw.rhs, dy, k_g)
+        q_x = _loaded_positions(p.dw.lhs, kept, x_like.shape)
+        q_g = _positions(p.dw.rhs, dy, k_g)
         dw = exact.contract(weight_gradient, q_x, q_g)
         return dx, dw, None
 

@@ -89,14 +89,24 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
     product, then one per operand and one for the Hadamard signs)."""
     p = recipe.products()
 
-    def product(spec, a, a_axis, b, b_axis, key):
-        k_a = k_b = None
-        if key is not None:
-            k_a, k_b, k_signs = jax.random.split(key, 3)
-            if spec.hadamard is not None:
-                signs = jax.random.rademacher(k_signs, (spec.hadamard,), F32)
-                a, b = _rotate(a, a_axis, signs), _rotate(b, b_axis, signs)
-        qa = exact.quantised(_along(spec.lhs, a_axis), a, k_a)
+    def split(spec, key):
+        """`(k_a, k_b, signs)`: each operand's key, the Hadamard signs (or `None`)."""
+        if key is None:
+            return None, None, None
+        k_a, k_b, k_signs = jax.random.split(key, 3)
+        if spec.hadamard is None:
+            return k_a, k_b, None
+        return k_a, k_b, jax.random.rademacher(k_signs, (spec.hadamard,), F32)
+
+    def rotated(a, axis, signs):
+        return a if signs is None else _rotate(a, axis, signs)
+
+    def product(spec, a, a_axis, b, b_axis, key, qa=None):
+        k_a, k_b, signs = split(spec, key)
+        if qa is None:
+            a = rotated(a, a_axis, signs)
+            qa = exact.quantised(_along(spec.lhs, a_axis), a, k_a)
+        b = rotated(b, b_axis, signs)
         qb = exact.quantised(_along(spec.rhs, b_axis), b, k_b)
         dims = (((a_axis,), (b_axis,)), ((), ()))
 
@@ -115,13 +125,19 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
         return product(p.fwd, x, 1, w, 0, keys(key)[0])
 
     def f_fwd(x, w, key):
-        return f(x, w, key), (x, w, key)
+        # The weight gradient's left operand, quantised now and kept in formats.
+        y = f(x, w, key)
+        k_x, _, signs = split(p.dw, keys(key)[2])
+        kept = exact.kept(_along(p.dw.lhs, 0), rotated(x, 0, signs), k_x)
+        return y, (kept, w, key)
 
     def f_bwd(residuals, dy):
-        x, w, key = residuals
+        kept, w, key = residuals
         _, k_dx, k_dw = keys(key)
+        like = jax.ShapeDtypeStruct((dy.shape[0], w.shape[0]), F32)
+        q_x = exact.loaded(_along(p.dw.lhs, 0), kept, like)
         dx = product(p.dx, dy, 1, w, 1, k_dx)
-        dw = product(p.dw, x, 0, dy, 0, k_dw)
+        dw = product(p.dw, None, 0, dy, 0, k_dw, q_x)
         return dx, dw, None
 
     f.defvjp(f_fwd, f_bwd)

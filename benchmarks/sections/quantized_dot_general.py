@@ -48,12 +48,17 @@ def _dot(a: jax.Array, b: jax.Array, precision: Any = None) -> jax.Array:
     )
 
 
-def _q(q: Any, v: jax.Array, axis: int, key: Any, square=(1, 2)) -> exact.Operand:
-    """`q` on `v`, its blocks along `axis` (square blocks over `square`)."""
+def _blocked(q: Any, axis: int, square=(1, 2)) -> Any:
+    """`q` with its blocks along `axis` (square blocks over `square`)."""
     if isinstance(q, eqxrules.BlockQuantizer):
         axes = square if isinstance(q.axis, tuple) else axis
         q = dataclasses.replace(q, axis=axes)
-    return exact.quantised(q, v, key)
+    return q
+
+
+def _q(q: Any, v: jax.Array, axis: int, key: Any, square=(1, 2)) -> exact.Operand:
+    """`q` on `v`, its blocks along `axis` (square blocks over `square`)."""
+    return exact.quantised(_blocked(q, axis, square), v, key)
 
 
 def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
@@ -63,11 +68,15 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
     def keys(key):
         return (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
 
-    def operands(spec, a, a_axis, b, b_axis, key):
+    def rotated(spec, a, a_axis, b, b_axis, key):
         k_a, k_b, k_s = keys(key)
         if spec.hadamard is not None:
             signs = jax.random.rademacher(k_s, (spec.hadamard,), F32)
             a, b = _rotate(a, a_axis, signs), _rotate(b, b_axis, signs)
+        return a, b, k_a, k_b
+
+    def operands(spec, a, a_axis, b, b_axis, key):
+        a, b, k_a, k_b = rotated(spec, a, a_axis, b, b_axis, key)
         return _q(spec.lhs, a, a_axis, k_a), _q(spec.rhs, b, b_axis, k_b)
 
     @jax.custom_vjp
@@ -75,20 +84,27 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
         return exact.contract(_dot, *operands(p.fwd, q, 2, k, 2, keys(key)[0]))
 
     def f_fwd(q, k, key):
-        return f(q, k, key), (q, k, key)
+        # The weight gradient's left operand, quantised now and kept in formats.
+        y = f(q, k, key)
+        r, _, k_r, _ = rotated(p.dw, q, 1, q, 1, keys(key)[2])
+        kept = exact.kept(_blocked(p.dw.lhs, 1), r, k_r)
+        return y, (kept, k, key)
 
     def f_bwd(residuals, dy):
-        q, k, key = residuals
+        kept, k, key = residuals
         _, k_dq, k_dk = keys(key)
+        q_like = jax.ShapeDtypeStruct((*dy.shape[:2], k.shape[2]), F32)
 
         def dq_of(g, qk, precision):
-            return jax.vjp(lambda a: _dot(a, qk, precision), q)[1](g)[0]
+            return jax.linear_transpose(lambda a: _dot(a, qk, precision), q_like)(g)[0]
 
         def dk_of(qq, g, precision):
             return jax.vjp(lambda b: _dot(qq, b, precision), k)[1](g)[0]
 
         dq = exact.contract(dq_of, *operands(p.dx, dy, 2, k, 1, k_dq))
-        dk = exact.contract(dk_of, *operands(p.dw, q, 1, dy, 1, k_dk))
+        _, g, _, k_g = rotated(p.dw, dy, 1, dy, 1, k_dk)
+        q_q = exact.loaded(_blocked(p.dw.lhs, 1), kept, q_like)
+        dk = exact.contract(dk_of, q_q, _q(p.dw.rhs, g, 1, k_g))
         return dq, dk, None
 
     f.defvjp(f_fwd, f_bwd)
