@@ -101,10 +101,13 @@ def kept(f: Callable[..., Any], x: jax.Array, w: jax.Array) -> dict[str, Any]:
     return dict(bytes=total, ratio=total / nbytes(x), saved=listed)
 
 
-def _no_hadamard(recipe: Any) -> Any:
-    """A convolution's products take no Hadamard transform."""
+def _for_conv(recipe: Any) -> Any:
+    """A convolution's products take no Hadamard transform, and its 32 input
+    features no tiles of 128 (`fp8_blockwise()`'s: tiles of 32)."""
     if getattr(recipe, "hadamard", None) is not None:
-        return dataclasses.replace(recipe, hadamard=None)
+        recipe = dataclasses.replace(recipe, hadamard=None)
+    if isinstance(recipe, recipes.FP8Blockwise):
+        recipe = dataclasses.replace(recipe, block_size=32)
     return recipe
 
 
@@ -130,7 +133,7 @@ def cases(recipe: Any, quick: bool = False) -> dict[str, tuple[Any, ...]]:
         if recipe is None:
             return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
         return eqxrules.quantized_conv(
-            x, w, (1, 1), "SAME", recipe=_no_hadamard(recipe), key=KEY
+            x, w, (1, 1), "SAME", recipe=_for_conv(recipe), key=KEY
         )
 
     out = {

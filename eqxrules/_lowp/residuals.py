@@ -2,10 +2,35 @@ r"""The quantised core's custom VJP with its residuals in their formats (issue 4
 §2): the forward pass quantises, besides its own product's operands, the left
 operand of the weight-gradient product (`a`, blocked along what that product
 contracts: the rows), and keeps it for the backward pass as its codes and scales
-in their formats' dtypes (`quantise.Saved`): a quarter of `a`'s float32 bytes for
-FP8, an eighth for FP4, where 0.2 kept `a` whole. The weight `b` is kept as it
-is (it lives on anyway); of `a` the backward pass needs nothing else but its
-type (`Like`: shape, dtype, sharding, varying mesh axes).
+in their formats' dtypes (`Saved`, `LowPrecision.stored`), where 0.2 kept `a`
+whole. The weight `b` is kept as it is (it lives on anyway); of `a` the backward
+pass needs nothing else but its type (`Like`: shape, dtype, sharding, varying
+mesh axes).
+
+What is kept, in bytes of `a`'s float32 bytes (`tests/test_residuals.py`,
+`benchmarks/` section 15):
+
+- `fp8()`: E4M3 codes, 0.25; `fp8_rowwise()`: and an int8 exponent per column,
+    0.2501;
+- `mxfp8()`: E4M3 codes and an int8 exponent per block of 32, 0.258; `mxfp4()`:
+    E2M1 codes, a byte each as JAX stores `float4_e2m1fn`, 0.258;
+- `nvfp4()`: E2M1 codes and an E4M3 scale per block of 16, 0.266;
+- `fp8_blockwise()`: E4M3 codes and a float32 scale per tile of 128, 0.258.
+- A ragged product (`quantized_ragged_dot`) quantises each group's rows as a
+    tensor of their own, laid out from row 0 (`[g, P, k]`); it keeps each group's
+    codes and block scales one group after another (`_pack`), in a buffer sized
+    for any split of the rows (`_bound`): each group's rows (the codes), or its
+    rows rounded up to the Hadamard transform's block where the transform rotates
+    the padding into values the product reads (`nvfp4()`, `mxfp4()`), and its
+    blocks (the scales). So at most $g(B - 1)$ rows more than `a`'s: at 3 groups
+    of [100, 200, 212] rows, fp8 0.25, mxfp8 0.259, nvfp4 0.282, mxfp4 0.290.
+- Not in formats: a quantiser that is not a `LowPrecision` one (an integer grid,
+    `SteQuantize`; a user's function) has no codes narrower than float32, so its
+    float32 value is kept (as many bytes as `a`; for a ragged product with a
+    Hadamard transform, its groups' padded layout, `g·P` rows: a group's padding
+    may quantise to other values than zero there, which a product reads); and so
+    is a ragged product's operand whose quantiser's blocks do not run along the
+    rows (square blocks).
 
 The values and gradients are bit for bit those of computing every product in
 the backward pass (the same quantised operands, the same products). This is the
