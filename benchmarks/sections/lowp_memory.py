@@ -252,7 +252,7 @@ def render(res: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
         others_within=sum(r["ratio"] <= TARGET for r in quantised),
         others=len(quantised),
         above=", ".join(
-            f"{r['recipe']} on {r['function'].split(',')[0]} ({r['ratio']:.3f})"
+            f"{r['recipe']} on {r['function']} ({r['ratio']:.3f})"
             for r in quantised
             if r["ratio"] > TARGET
         )
