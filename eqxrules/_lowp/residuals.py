@@ -261,16 +261,19 @@ def _grouped(
     tensor of its own) kept in its format: each group quantised as `quantise`
     does it, on its rows laid out from row 0 (`[g, P, ...]`), and of each group
     only the codes of its rows and the scales of its blocks, one group after
-    another (`_pack`): not the `g·P` rows of that layout. `None` where the
-    quantiser's blocks do not run along the rows (its parts then do not follow
-    them)."""
+    another (`_pack`): not the `g·P` rows of that layout. The parts follow the
+    rows where the quantiser's blocks run along them (axis 0): its codes are then
+    in the rows' order (the blocks split in place, `_to_blocks`) and axis 0 of its
+    scales runs along the rows, a block of them each. `None` where they do not."""
     sizes = extras[0]
-    rows = v.shape[p.source.operands()[side].segmented or 0]
+    segmented = p.source.operands()[side].segmented
+    assert segmented is not None
+    rows = v.shape[segmented]
     u = _prepared(p, side, v, extras, keys)
     geometry = p.op.operands()[side]
     if p.prepare is None:  # rows in place: `quantise._segments`
         per, _, inner = segment_layout(q, u, geometry, sizes)
-        multiple, segments = 1, (geometry.segmented or 0, tuple(u.shape))
+        multiple, segments = 1, (segmented, tuple(u.shape))
     elif geometry.independent == (0,):  # laid out per group: `quantise._slices`
         per, inner = u, _without(geometry, 0)
         multiple, segments = multiple_of(p.spec), None
