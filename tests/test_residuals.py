@@ -7,14 +7,27 @@ pass keeps besides the arguments themselves (`w` lives on anyway; `x` is counted
 if kept) is measured with `jax.ad_checkpoint`'s residual listing
 (`benchmarks.xla.saved_residuals`), in bytes of the float32 `x`:
 
-- FP8 codes: 1 byte of 4 per element, 0.25;
-- MXFP8 adds an int8 exponent per block of 32: 0.258;
-- NVFP4 codes (one byte each, unpacked) and an E4M3 scale per 16: 0.266.
+- FP8 codes: 1 byte of 4 per element, 0.25 (`fp8()`; `fp8_rowwise()` adds an
+  int8 exponent per column, 0.2501);
+- MXFP8 adds an int8 exponent per block of 32: 0.258 (`mxfp4()`'s FP4 codes take
+  a byte each too, as JAX stores them);
+- NVFP4 codes (one byte each, unpacked) and an E4M3 scale per 16: 0.266;
+- `fp8_blockwise()` a float32 scale per tile of 128: 0.258.
 
-The target is 0.3 (issue 41 §2). A planted float32 residual (`stored` that keeps
-the float32 codes) is 1.0 or more and fails. The values and gradients are bit for
-bit those of the path that computes every product in the backward pass from `x`
-(`core._Bilinear`, which a named `vmap` still takes).
+`quantized_ragged_dot` (group sizes traced, [100, 200, 212] on 512 rows) keeps
+each group's codes and block scales one group after another, in a buffer sized
+for any split: up to each group's rows rounded up to the block (the scales) or to
+the Hadamard transform's block (the codes of `nvfp4()` and `mxfp4()`, whose
+rotated padding the product reads): fp8 0.25, mxfp8 0.259, nvfp4 0.282, mxfp4
+0.290.
+
+The target is 0.3 (issue 41 §2). Planted: a float32 residual (`stored` that keeps
+the float32 codes) is 1.0 or more, and a ragged product keeping its groups'
+`[g, P, k]` layout 0.75: both fail. The values and gradients are bit for bit
+those of the path that computes every product in the backward pass from `x`
+(`core._Bilinear`, which a named `vmap` still takes); planted: another key for
+the kept operand, and a ragged product keeping each group's own rows but not the
+rotated padding its Hadamard transform fills.
 """
 
 from __future__ import annotations
@@ -32,9 +45,17 @@ from eqxrules import recipes
 from eqxrules._lowp import core, residuals
 from eqxrules._rules._encoded import LowPrecision
 
-RECIPES = {"fp8": recipes.fp8, "mxfp8": recipes.mxfp8, "nvfp4": recipes.nvfp4}
+RECIPES = {
+    "fp8": recipes.fp8,
+    "mxfp8": recipes.mxfp8,
+    "nvfp4": recipes.nvfp4,
+    "fp8_blockwise": recipes.fp8_blockwise,
+    "fp8_rowwise": recipes.fp8_rowwise,
+    "mxfp4": recipes.mxfp4,
+}
 TARGET = 0.3
 KEY = jax.random.key(7)
+SIZES = jnp.array([100, 200, 212], jnp.int32)
 
 
 def _bytes(v) -> int:
@@ -43,13 +64,16 @@ def _bytes(v) -> int:
     return int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
 
 
-def _cases(recipe):
-    x = jax.random.normal(jax.random.key(0), (2048, 256))
+def _cases(recipe, rows=2048):
+    x = jax.random.normal(jax.random.key(0), (rows, 256))
     w = jax.random.normal(jax.random.key(1), (256, 256))
-    # A convolution's products take no Hadamard transform (nvfp4()'s `dw` has one).
+    # A convolution's products take no Hadamard transform (nvfp4()'s `dw` has one),
+    # and its 32 input features no tiles of 128 (fp8_blockwise()'s: tiles of 32).
     conv = recipe
     if getattr(recipe, "hadamard", None) is not None:
         conv = dataclasses.replace(recipe, hadamard=None)
+    if isinstance(recipe, recipes.FP8Blockwise):
+        conv = dataclasses.replace(recipe, block_size=32)
     xc = jax.random.normal(jax.random.key(2), (8, 32, 16, 16))
     wc = jax.random.normal(jax.random.key(3), (64, 32, 3, 3))
     return {
@@ -72,7 +96,22 @@ def _cases(recipe):
             xc,
             wc,
         ),
+        "quantized_ragged_dot": (
+            _ragged(recipe),
+            jax.random.normal(jax.random.key(4), (512, 256)),
+            jax.random.normal(jax.random.key(5), (3, 256, 256)),
+        ),
     }
+
+
+def _ragged(recipe):
+    """The ragged product with its group sizes traced (a `jit` argument)."""
+
+    @jax.jit
+    def f(x, w, sizes):
+        return eqxrules.quantized_ragged_dot(x, w, sizes, recipe=recipe, key=KEY)
+
+    return lambda x, w: f(x, w, SIZES)
 
 
 def _kept(f, x, w) -> float:
@@ -97,7 +136,15 @@ def test_residuals_are_kept_in_their_formats(recipe):
 def test_planted_float32_residual_is_caught(fresh_products):
     """Planted: the kept operand's codes stay in float32."""
     fresh_products.setattr(LowPrecision, "stored", lambda self, e: e)
-    f, x, w = _cases(recipes.fp8())["quantized_dot"]
+    kept = {n: _kept(*c) for n, c in _cases(recipes.fp8()).items()}
+    assert all(k > TARGET for k in kept.values()), kept
+
+
+def test_planted_group_layout_is_caught(fresh_products):
+    """Planted: the ragged product keeps every group's rows laid out from row 0
+    (`[g, P, k]`, each group's `P` rows), not only its own."""
+    fresh_products.setattr(residuals, "_bound", lambda groups, r, length, g: g * length)
+    f, x, w = _cases(recipes.fp8())["quantized_ragged_dot"]
     assert _kept(f, x, w) > TARGET
 
 
@@ -105,6 +152,19 @@ def test_the_identity_recipe_keeps_x():
     # Nothing to quantise: `x` itself is the residual, as a plain `x @ w` keeps it.
     f, x, w = _cases(recipes.identity())["quantized_dot"]
     assert _kept(f, x, w) == 1.0
+
+
+def test_a_quantiser_without_formats_keeps_its_float32_value():
+    """A quantiser that is not a `LowPrecision` one (an int8 grid, `SteQuantize`)
+    has no codes in a narrower dtype: its float32 value is kept, as many bytes as
+    `x`, not `x` and its value both."""
+    q = eqxrules.SteQuantize(bits=8, lo=-128.0, hi=127.0)
+    recipe = recipes.Custom(dw=recipes.Product(q, None))
+    cases = _cases(recipe)
+    assert _kept(*cases["quantized_dot"]) == 1.0
+    f, x, w = cases["quantized_ragged_dot"]
+    # Its value, and the group sizes (a constant of `f`'s: 12 bytes).
+    assert _kept(f, x, w) == (_bytes(x) + _bytes(SIZES)) / _bytes(x)
 
 
 def _gradients(f, x, w):
@@ -119,16 +179,26 @@ def _bilinear(config, a, b, key, extras):
     return rule(a, b, key=key, extras=extras, tags=())
 
 
-def _mismatches(recipe, monkeypatch) -> dict[str, int]:
+def _mismatches(recipe, monkeypatch, only=None) -> dict[str, int]:
+    def gradients():
+        # The same products on fewer rows (the ragged product's 512 as they are),
+        # each function made anew (a `jit` traces again).
+        cases = _cases(RECIPES[recipe](), rows=256)
+        return {
+            name: _gradients(f, x, w)
+            for name, (f, x, w) in cases.items()
+            if only in (None, name)
+        }
+
+    ours = gradients()
+    with monkeypatch.context() as m:
+        m.setattr(residuals, "bilinear", _bilinear)
+        theirs = gradients()
     out = {}
-    for name, (f, x, w) in _cases(RECIPES[recipe]()).items():
-        x = x[:256]  # the same products on fewer rows
-        ours = _gradients(f, x, w)
-        with monkeypatch.context() as m:
-            m.setattr(residuals, "bilinear", _bilinear)
-            theirs = _gradients(f, x, w)
+    for name in ours:
         n = sum(
-            int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in zip(ours, theirs)
+            int(np.sum(np.asarray(a) != np.asarray(b)))
+            for a, b in zip(ours[name], theirs[name])
         )
         if n:
             out[name] = n
@@ -155,3 +225,14 @@ def test_a_kept_operand_drawn_with_another_key_is_caught(fresh_products):
         lambda k: honest(None if k is None else jax.random.fold_in(k, 1)),
     )
     assert set(_mismatches("nvfp4", fresh_products)) == set(_cases(None))
+
+
+def test_ragged_padding_left_out_is_caught(fresh_products):
+    """Planted: the ragged product keeps each group's own rows but not the
+    padding to the Hadamard transform's block, which the rotation fills and the
+    weight-gradient product reads (`nvfp4()`)."""
+    honest = residuals._entries
+    fresh_products.setattr(
+        residuals, "_entries", lambda sizes, multiple, r: honest(sizes, 1, r)
+    )
+    assert _mismatches("nvfp4", fresh_products, "quantized_ragged_dot")

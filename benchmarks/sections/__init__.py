@@ -15,6 +15,7 @@ A section module has:
 from . import (
     checker,
     exactness,
+    lowp_memory,
     overhead,
     quantized_conv,
     quantized_dot,
@@ -46,4 +47,5 @@ SECTIONS = (
     quantized_dot_general,
     ragged_dot,
     qwix_mxfp8,
+    lowp_memory,
 )

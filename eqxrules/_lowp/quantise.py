@@ -37,7 +37,6 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
@@ -96,12 +95,14 @@ def spanning(q: Any, names: tuple[Hashable, ...]) -> Any:
 class Plan(NamedTuple):
     """How a product is computed: `op` is what it contracts (the operation, or
     its `flat` form: with a random Hadamard transform, or a contraction padded in
-    place), `prepare` lays each operand out for it (or `None`)."""
+    place), `prepare` lays each operand out for it (or `None`); `source` is the
+    operation itself (`op` unless flattened)."""
 
     op: Op
     prepare: tuple[Any, Any] | None
     spec: Product
     role: str
+    source: Op
 
 
 def plan(op: Op, spec: Product, lhs_shape: Sequence[int], role: str) -> Plan:
@@ -113,7 +114,7 @@ def plan(op: Op, spec: Product, lhs_shape: Sequence[int], role: str) -> Plan:
     if spec.hadamard is None and not (
         op.padded_contraction() and blocked_length % multiple
     ):
-        return Plan(op, None, spec, role)
+        return Plan(op, None, spec, role, op)
     flat = op.flat(multiple)
     if flat is None:
         raise ValueError(
@@ -124,7 +125,7 @@ def plan(op: Op, spec: Product, lhs_shape: Sequence[int], role: str) -> Plan:
             "hadamard=None)`)."
         )
     _no_square(op, spec, role)
-    return Plan(flat.op, flat.prepare, spec, role)
+    return Plan(flat.op, flat.prepare, spec, role, op)
 
 
 def _prepared(p: Plan, side: int, v: Array, extras: tuple[Array, ...], keys: Any):
@@ -345,54 +346,6 @@ def along(
     return _restore(value, restore), scale
 
 
-class Saved(eqx.Module):
-    """An operand quantised in the forward pass and kept for the backward pass:
-    `parts` in their formats' dtypes (`LowPrecision.stored`: a quarter of its
-    float32 bytes, or an eighth) where `quantiser` (fitted) is a `LowPrecision`
-    one on a plain layout, else `(value, scale)` as `quantise` gives them."""
-
-    parts: Any
-    quantiser: Any = eqx.field(static=True)
-    shape: tuple[int, ...] = eqx.field(static=True)
-    restore: tuple[Any, ...] = eqx.field(static=True)
-    exact: bool = eqx.field(static=True)
-
-
-def saved_operand(
-    p: Plan,
-    side: int,
-    v: Array,
-    extras: tuple[Array, ...],
-    keys: Any,
-    names: tuple[Hashable, ...],
-) -> Saved:
-    """`operand`, kept in its format (`Saved`)."""
-    q = (p.spec.lhs, p.spec.rhs)[side]
-    geometry = p.op.operands()[side]
-    plain = geometry.independent == () and geometry.segmented is None
-    if not (plain and isinstance(q, LowPrecision)):
-        value, scale, exact = operand(p, side, v, extras, keys, names)
-        return Saved((value, scale), None, tuple(v.shape), ("as is",), exact)
-    where = Where(p.op.name, p.role)
-    v = _prepared(p, side, v, extras, keys)
-    fitted, prepared, restore = _fit(spanning(q, names), v, geometry, where)
-    assert isinstance(fitted, LowPrecision)
-    e = fitted.encode(prepared, key=keys[side])
-    shape = tuple(prepared.shape)
-    return Saved(fitted.stored(e), fitted, shape, restore, _exact(fitted))
-
-
-def loaded(s: Saved) -> Quantised:
-    """The operand a `Saved` keeps, as a product takes it."""
-    if s.quantiser is None:
-        value, scale = s.parts
-        return Quantised(value, scale, s.exact)
-    e = s.quantiser.restored(s.parts)
-    like = jax.ShapeDtypeStruct(s.shape, jnp.float32)
-    value, scale = s.quantiser.payload(e, like)
-    return Quantised(_restore(value, s.restore), scale, s.exact)
-
-
 def _without(operand: Operand, dim: int) -> Operand:
     """`operand`'s geometry on a slice of it along `dim` (that dimension gone)."""
 
@@ -443,10 +396,27 @@ def _segments(
     q: Any, v: Array, operand: Operand, key: Any, sizes: Array, where: Where
 ) -> tuple[Array, Array | None]:
     """Each segment of rows along `operand.segmented` (consecutive, of lengths
-    `sizes`) its own tensor: laid out from row 0 and padded with zeros to a
-    multiple of the block (where the blocks run along the rows), quantised, and
-    put back in place (rows past the segments, which a ragged product reads
-    not, come back as some row of the last)."""
+    `sizes`) its own tensor (`segment_layout`), quantised, and put back in place
+    (`put_back`)."""
+    per, back, inner = segment_layout(q, v, operand, sizes)
+    keys = _keys(key, sizes.shape[0])
+
+    def one(rows: Array, k: Any) -> tuple[Array, Array | None]:
+        return along(q, rows, inner, k, where)
+
+    in_axes = (0, 0 if keys is not None else None)
+    value, scale = jax.vmap(one, in_axes=in_axes)(per, keys)
+    return put_back(value, scale, back)
+
+
+def segment_layout(
+    q: Any, v: Array, operand: Operand, sizes: Array
+) -> tuple[Array, Any, Operand]:
+    """Each segment of rows of `v` along `operand.segmented` laid out from row 0
+    and padded with zeros to a multiple of `q`'s block (where its blocks run along
+    the rows), `[groups, P, ...]`; the function that puts such a layout back in
+    place (`ops.segment`: rows past the segments, which a ragged product reads
+    not, come back as some row of the last); and one group's geometry."""
     dim = operand.segmented
     assert dim is not None
     along_rows = dim in operand.blocked
@@ -455,13 +425,14 @@ def _segments(
         tuple(0 if d == dim else d + (d < dim) for d in operand.blocked),
         tuple(d + (d < dim) for d in operand.paired),
     )
-    keys = _keys(key, sizes.shape[0])
+    return per, back, inner
 
-    def one(rows: Array, k: Any) -> tuple[Array, Array | None]:
-        return along(q, rows, inner, k, where)
 
-    in_axes = (0, 0 if keys is not None else None)
-    value, scale = jax.vmap(one, in_axes=in_axes)(per, keys)
+def put_back(
+    value: Array, scale: Array | None, back: Any
+) -> tuple[Array, Array | None]:
+    """Quantised segments (`[groups, P, ...]`, their tensor scales `[groups]` or
+    `None`) in place: the values, and each row its group's scale."""
     if scale is None:
         return back(value), None
     # Each row its group's scale, shaped to broadcast against the rows.

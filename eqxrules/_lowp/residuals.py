@@ -2,10 +2,35 @@ r"""The quantised core's custom VJP with its residuals in their formats (issue 4
 §2): the forward pass quantises, besides its own product's operands, the left
 operand of the weight-gradient product (`a`, blocked along what that product
 contracts: the rows), and keeps it for the backward pass as its codes and scales
-in their formats' dtypes (`quantise.Saved`): a quarter of `a`'s float32 bytes for
-FP8, an eighth for FP4, where 0.2 kept `a` whole. The weight `b` is kept as it
-is (it lives on anyway); of `a` the backward pass needs nothing else but its
-type (`Like`: shape, dtype, sharding, varying mesh axes).
+in their formats' dtypes (`Saved`, `LowPrecision.stored`), where 0.2 kept `a`
+whole. The weight `b` is kept as it is (it lives on anyway); of `a` the backward
+pass needs nothing else but its type (`Like`: shape, dtype, sharding, varying
+mesh axes).
+
+What is kept, in bytes of `a`'s float32 bytes (`tests/test_residuals.py`,
+`benchmarks/` section 15):
+
+- `fp8()`: E4M3 codes, 0.25; `fp8_rowwise()`: and an int8 exponent per column,
+    0.2501;
+- `mxfp8()`: E4M3 codes and an int8 exponent per block of 32, 0.258; `mxfp4()`:
+    E2M1 codes, a byte each as JAX stores `float4_e2m1fn`, 0.258;
+- `nvfp4()`: E2M1 codes and an E4M3 scale per block of 16, 0.266;
+- `fp8_blockwise()`: E4M3 codes and a float32 scale per tile of 128, 0.258.
+- A ragged product (`quantized_ragged_dot`) quantises each group's rows as a
+    tensor of their own, laid out from row 0 (`[g, P, k]`); it keeps each group's
+    codes and block scales one group after another (`_pack`), in a buffer sized
+    for any split of the rows (`_bound`): each group's rows (the codes), or its
+    rows rounded up to the Hadamard transform's block where the transform rotates
+    the padding into values the product reads (`nvfp4()`, `mxfp4()`), and its
+    blocks (the scales). So at most $g(B - 1)$ rows more than `a`'s: at 3 groups
+    of [100, 200, 212] rows, fp8 0.25, mxfp8 0.259, nvfp4 0.282, mxfp4 0.290.
+- Not in formats: a quantiser that is not a `LowPrecision` one (an integer grid,
+    `SteQuantize`; a user's function) has no codes narrower than float32, so its
+    float32 value is kept (as many bytes as `a`; for a ragged product with a
+    Hadamard transform, its groups' padded layout, `g·P` rows: a group's padding
+    may quantise to other values than zero there, which a product reads); and so
+    is a ragged product's operand whose quantiser's blocks do not run along the
+    rows (square blocks).
 
 The values and gradients are bit for bit those of computing every product in
 the backward pass (the same quantised operands, the same products). This is the
@@ -18,25 +43,37 @@ from __future__ import annotations
 
 import functools as ft
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._rules._encoded import Encoded, LowPrecision
 from .._tangents import _cotangent_like, _vary, varying_axes
-from . import quantise
+from . import ops, quantise
 from .core import product
 from .ops import Op
 from .quantise import (
-    Saved,
+    Plan,
+    Quantised,
+    Where,
+    _along_dim,
+    _exact,
+    _fit,
+    _keys,
+    _prepared,
+    _restore,
+    _without,
     keys_of,
-    loaded,
+    multiple_of,
     operand,
     plan,
     product_keys,
-    saved_operand,
+    put_back,
+    segment_layout,
+    spanning,
 )
 from .recipes import Custom
 
@@ -122,7 +159,7 @@ def _weight_gradient(config: Config) -> Any:
         p = plan(dw, config.recipe.dw, like.shape, "dw")
         keys = keys_of(product_keys(key)[2])
         q_dy = operand(p, 1, dy, extras, keys, config.spanned)
-        return quantise.contract(p.op, loaded(kept), q_dy, extras)
+        return quantise.contract(p.op, loaded(kept, extras), q_dy, extras)
 
     return jax.jit(run, inline=True)
 
@@ -141,3 +178,220 @@ def _bwd(config: Config, residuals: Any, dy: Array) -> tuple[Any, ...]:
 
 
 bilinear.defvjp(_fwd, _bwd)
+
+
+# The kept operand.
+
+
+class Groups(NamedTuple):
+    """How a ragged product's kept operand lies (`Saved.groups`; static): each
+    group's rows rounded up to `multiple` (1: its own rows; the Hadamard
+    transform's multiple where its padding was rotated too) in the codes, one
+    after another, and its blocks of `per_scale` rows in the scales; `rows` is
+    the operand's (a bound on the groups' rows together); `codes` and `scales`
+    the parts' shapes in one group's layout; `segments` is `(dim, shape)` of an
+    operand whose rows go back in place (`quantise.put_back`), or `None` where
+    the product takes the groups' layout itself (`[g, P, ...]`)."""
+
+    multiple: int
+    per_scale: int
+    rows: int
+    codes: tuple[int, ...]
+    scales: tuple[int, ...] | None
+    segments: tuple[int, tuple[int, ...]] | None
+
+
+class Saved(eqx.Module):
+    """An operand quantised in the forward pass and kept for the backward pass.
+    Where the quantiser is a `LowPrecision` one, `parts` are its codes and scales
+    in their formats' dtypes (`LowPrecision.stored`: a quarter of the float32
+    bytes, or an eighth), and `quantiser` is the quantiser fitted to one tensor of
+    `shape` (the operand, or one group's rows, `groups`); else `parts` are
+    `(value, scale)` as `quantise.operand` gives them and `quantiser` is `None`."""
+
+    parts: Any
+    quantiser: Any = eqx.field(static=True)
+    shape: tuple[int, ...] = eqx.field(static=True)
+    restore: tuple[Any, ...] = eqx.field(static=True)
+    exact: bool = eqx.field(static=True)
+    groups: Groups | None = eqx.field(static=True, default=None)
+
+
+def saved_operand(
+    p: Plan,
+    side: int,
+    v: Array,
+    extras: tuple[Array, ...],
+    keys: Any,
+    names: tuple[Hashable, ...],
+) -> Saved:
+    """`quantise.operand`, kept in its format (`Saved`): a tensor's codes and
+    scales; a ragged product's groups' (`_grouped`); or, for a quantiser that is
+    not a `LowPrecision` one, or a layout neither covers, the float32 value."""
+    q = (p.spec.lhs, p.spec.rhs)[side]
+    geometry = p.op.operands()[side]
+    if isinstance(q, LowPrecision):
+        q = spanning(q, names)
+        where = Where(p.op.name, p.role)
+        if geometry.independent == () and geometry.segmented is None:
+            u = _prepared(p, side, v, extras, keys)
+            fitted, prepared, restore = _fit(q, u, geometry, where)
+            assert isinstance(fitted, LowPrecision)
+            e = fitted.encode(prepared, key=keys[side])
+            shape = tuple(prepared.shape)
+            return Saved(fitted.stored(e), fitted, shape, restore, _exact(fitted))
+        if p.source.operands()[side].segmented is not None:
+            kept = _grouped(p, side, q, v, extras, keys, where)
+            if kept is not None:
+                return kept
+    value, scale, exact = operand(p, side, v, extras, keys, names)
+    return Saved((value, scale), None, tuple(v.shape), ("as is",), exact)
+
+
+def _grouped(
+    p: Plan,
+    side: int,
+    q: LowPrecision,
+    v: Array,
+    extras: tuple[Array, ...],
+    keys: Any,
+    where: Where,
+) -> Saved | None:
+    """A ragged product's operand (its rows in groups of `extras[0]` rows, each a
+    tensor of its own) kept in its format: each group quantised as `quantise`
+    does it, on its rows laid out from row 0 (`[g, P, ...]`), and of each group
+    only the codes of its rows and the scales of its blocks, one group after
+    another (`_pack`): not the `g·P` rows of that layout. The parts follow the
+    rows where the quantiser's blocks run along them (axis 0): its codes are then
+    in the rows' order (the blocks split in place, `_to_blocks`) and axis 0 of its
+    scales runs along the rows, a block of them each. `None` where they do not."""
+    sizes = extras[0]
+    segmented = p.source.operands()[side].segmented
+    assert segmented is not None
+    rows = v.shape[segmented]
+    u = _prepared(p, side, v, extras, keys)
+    geometry = p.op.operands()[side]
+    if p.prepare is None:  # rows in place: `quantise._segments`
+        per, _, inner = segment_layout(q, u, geometry, sizes)
+        multiple, segments = 1, (segmented, tuple(u.shape))
+    elif geometry.independent == (0,):  # laid out per group: `quantise._slices`
+        per, inner = u, _without(geometry, 0)
+        multiple, segments = multiple_of(p.spec), None
+    else:
+        return None
+    fitted, _, restore = _fit(q, per[0], inner, where)
+    if restore != ("as is",) or getattr(fitted, "axis", 0) != 0:
+        return None
+    assert isinstance(fitted, LowPrecision)
+    group_keys = _keys(keys[side], per.shape[0])
+
+    def one(rows: Array, k: Any) -> Encoded:
+        return fitted.encode(rows, key=k)
+
+    in_axes = (0, 0 if group_keys is not None else None)
+    e = fitted.stored(jax.vmap(one, in_axes=in_axes)(per, group_keys))
+    g, length = per.shape[:2]
+    codes = e.codes.reshape(g, length, -1)
+    per_scale = 1 if e.scales is None else length // e.scales.shape[1]
+    groups = Groups(
+        multiple,
+        per_scale,
+        rows,
+        tuple(e.codes.shape[1:]),
+        None if e.scales is None else tuple(e.scales.shape[1:]),
+        segments,
+    )
+    parts = Encoded(
+        _pack(codes, _entries(sizes, multiple, 1), _bound(groups, 1, length, g)),
+        None
+        if e.scales is None
+        else _pack(
+            e.scales,
+            _entries(sizes, multiple, per_scale),
+            _bound(groups, per_scale, e.scales.shape[1], g),
+        ),
+        e.tensor,
+    )
+    return Saved(parts, fitted, tuple(per.shape[1:]), restore, _exact(q), groups)
+
+
+def _entries(sizes: Array, multiple: int, per_entry: int) -> Array:
+    """How many entries of `per_entry` rows each group keeps: its rows rounded up
+    to `multiple`, in whole entries."""
+    rows = -(-sizes // multiple) * multiple
+    return -(-rows // per_entry)
+
+
+def _bound(groups: Groups, per_entry: int, length: int, g: int) -> int:
+    """The most entries `_entries` gives the `g` groups together, whatever their
+    sizes (summing to at most `groups.rows`), and at most `length` each: with
+    $M$ = `multiple` and $r$ = `per_entry`, $\\sum_i \\lceil s_i / M \\rceil \\le
+    \\lfloor (m + g(M - 1)) / M \\rfloor$ where $r$ divides $M$, else
+    $\\sum_i \\lceil n_i / r \\rceil \\le \\lfloor (m + g(M - 1) + g(r - 1)) / r
+    \\rfloor$."""
+    m, multiple = groups.rows, groups.multiple
+    if multiple % per_entry == 0:
+        bound = multiple // per_entry * ((m + g * (multiple - 1)) // multiple)
+    else:
+        bound = (m + g * (multiple - 1) + g * (per_entry - 1)) // per_entry
+    return max(1, min(g * length, bound))
+
+
+def _pack(layout: Array, counts: Array, total: int) -> Array:
+    """The first `counts[i]` entries of each group's `layout[i]` (`[g, L, ...]`),
+    one group after another, in `total` entries (`[total, ...]`; those past the
+    groups' are some entry of the last)."""
+    g, length = layout.shape[:2]
+    ends = jnp.cumsum(counts)
+    j = jnp.arange(total)
+    group = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, g - 1)
+    local = jnp.clip(j - (ends - counts)[group], 0, length - 1)
+    return layout[group, local]
+
+
+def _unpack(packed: Array, counts: Array, length: int) -> Array:
+    """`_pack`'s inverse, `[g, length, ...]`: zeros past each group's entries
+    (the codes of the zero rows there, and a scale under which zero codes are
+    zero)."""
+    starts = jnp.cumsum(counts) - counts
+    local = jnp.arange(length)
+    index = jnp.clip(starts[:, None] + local[None, :], 0, packed.shape[0] - 1)
+    valid = local[None, :] < counts[:, None]
+    mask = valid.reshape(*valid.shape, *(1,) * (packed.ndim - 1))
+    return jnp.where(mask, packed[index], jnp.zeros((), packed.dtype))
+
+
+def loaded(s: Saved, extras: tuple[Array, ...]) -> Quantised:
+    """The operand a `Saved` keeps, as a product takes it."""
+    if s.quantiser is None:
+        value, scale = s.parts
+        return Quantised(value, scale, s.exact)
+    like = jax.ShapeDtypeStruct(s.shape, jnp.float32)
+    if s.groups is None:
+        e = s.quantiser.restored(s.parts)
+        value, scale = s.quantiser.payload(e, like)
+        return Quantised(_restore(value, s.restore), scale, s.exact)
+    groups, sizes = s.groups, extras[0]
+    g, length = sizes.shape[0], s.shape[0]
+    codes = _unpack(s.parts.codes, _entries(sizes, groups.multiple, 1), length)
+    scales = s.parts.scales
+    if scales is not None:
+        scales = _unpack(
+            scales,
+            _entries(sizes, groups.multiple, groups.per_scale),
+            length // groups.per_scale,
+        )
+    stored = Encoded(codes.reshape(g, *groups.codes), scales, s.parts.tensor)
+    e = s.quantiser.restored(stored)
+    value, scale = jax.vmap(lambda e: s.quantiser.payload(e, like))(e)
+    value = jax.vmap(lambda v: _restore(v, s.restore))(value)
+    if groups.segments is not None:  # as `quantise._segments`
+        dim, shape = groups.segments
+        back = ops.segment(jnp.zeros(shape, jnp.float32), dim, sizes, length)[1]
+        value, scale = put_back(value, scale, back)
+    else:  # as `quantise._slices`
+        scale = _along_dim(scale, 0, value.ndim)
+    # As `quantise.quantise` takes them: a scale per group in the values.
+    if scale is None:
+        return Quantised(value, None, s.exact)
+    return Quantised(value * scale, None, False)
