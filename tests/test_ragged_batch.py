@@ -107,8 +107,11 @@ def _plant_padding(monkeypatch, fill: float, at_front: bool):
     monkeypatch.setattr(ops, "pad_axis", padding)
 
 
+FLOOR = {"mxfp8 floor": (recipes.MXFP8(scale_rounding="floor"), 32)}
+
+
 def _dw_matches(name: str, m: int) -> bool:
-    recipe, block = RECIPES[name]
+    recipe, block = {**RECIPES, **FLOOR}[name]
     x, w, dy = _data(m)
     return np.array_equal(
         _vjp(recipe, x, w, dy)[2], _reference(recipe, x, w, dy, block)[2]
@@ -126,7 +129,9 @@ PLANTED = [
     (1e3, False, "mxfp8", 20),  # the last block's scale (the rows are sliced off)
     (1.0, False, "nvfp4", 20),
     (0.0, True, "nvfp4", 20),  # SR and RHT
-    (0.0, True, "mxfp8", 40),
+    # Zeros at the front under mxfp8()'s rounded-up scales, which saturate
+    # nothing, hardly move a value: the OCP floor rule shows the shifted blocks.
+    (0.0, True, "mxfp8 floor", 40),
 ]
 
 

@@ -217,7 +217,10 @@ def test_planted_blocks_straddling_two_groups_are_caught(planted):
         return shifted, back
 
     planted.setattr(ops, "segment", straddling)
-    assert "drhs" in _failures(RECIPES["mxfp8"], SIZES["uneven"])
+    # The OCP floor rule: mxfp8()'s scales, rounded up, saturate nothing, so which
+    # block a row lands in hardly moves its value (the defect went unseen).
+    floor = recipes.MXFP8(scale_rounding="floor")
+    assert "drhs" in _failures(floor, SIZES["uneven"])
 
 
 @pytest.mark.slow
