@@ -223,3 +223,62 @@ def test_amax_scale_is_straight_through():
 def test_bad_options_are_clear_errors(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+# Square weight blocks on an operand whose dimensions no block divides (issue 40
+# §3): attention's `q · kᵀ` over 24 tokens under nvfp4(), whose 16x16 blocks land
+# on `k`'s tokens x features in the input-gradient product. Each quantiser pads
+# with zeros, which change no scale, and slices back: the value and both
+# gradients equal those of the same call on inputs padded with zero tokens to 32
+# (nearest rounding and no Hadamard transform, so that no draw depends on the
+# shapes).
+_ATTENTION = "qhd,khd->hqk"
+
+
+def _attention_vjp(q: jax.Array, k: jax.Array) -> tuple[np.ndarray, ...]:
+    import dataclasses
+
+    from eqxrules import recipes
+
+    recipe = dataclasses.replace(
+        recipes.nvfp4(), gradient_rounding="nearest", hadamard=None
+    )
+
+    def f(q, k):
+        return eqxrules.quantized_einsum(_ATTENTION, q, k, recipe=recipe)
+
+    y, vjp = jax.vjp(f, q, k)
+    # The same cotangent at each (head, query, key) whatever the padding, 0 on the
+    # padded tokens.
+    h, i, j = jnp.meshgrid(*(jnp.arange(n) for n in y.shape), indexing="ij")
+    dy = jnp.where((i < 24) & (j < 24), jnp.cos(100.0 * h + 7.0 * i + j), 0.0)
+    return (np.asarray(y), *map(np.asarray, vjp(dy)))
+
+
+def _attention_mismatches() -> list[str]:
+    q = jax.random.normal(jax.random.key(0), (24, 4, 16))
+    k = jax.random.normal(jax.random.key(1), (24, 4, 16))
+    y, dq, dk = _attention_vjp(q, k)
+    pad = ((0, 8), (0, 0), (0, 0))
+    y32, dq32, dk32 = _attention_vjp(jnp.pad(q, pad), jnp.pad(k, pad))
+    pairs = {"y": (y, y32[:, :24, :24]), "dq": (dq, dq32[:24]), "dk": (dk, dk32[:24])}
+    return [n for n, (a, b) in pairs.items() if not np.array_equal(a, b)]
+
+
+def test_square_blocks_pad_a_dimension_no_block_divides():
+    assert _attention_mismatches() == []
+
+
+def test_square_blocks_padded_with_large_values_are_caught(fresh_products):
+    """Planted: the padding of square blocks' axes is 1e3, not zeros (it takes
+    the blocks' scales)."""
+    from eqxrules._lowp import ops
+
+    def large(v, axis, multiple):
+        n = -v.shape[axis] % multiple
+        widths = [(0, 0)] * v.ndim
+        widths[axis] = (0, n)
+        return jnp.pad(v, widths, constant_values=1e3)
+
+    fresh_products.setattr(ops, "pad_axis", large)
+    assert "dq" in _attention_mismatches()

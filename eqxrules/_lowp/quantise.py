@@ -111,8 +111,12 @@ def plan(op: Op, spec: Product, lhs_shape: Sequence[int], role: str) -> Plan:
     multiple = multiple_of(spec)
     blocked = op.operands()[0].blocked
     blocked_length = math.prod(lhs_shape[d] for d in blocked)
+    # Without a Hadamard transform, square blocks pad their own two axes (`_fit`),
+    # and the other operand its flattened contraction, each sliced back: zeros
+    # change no scale, so the contraction need not be padded in place (which
+    # square blocks cannot follow).
     if spec.hadamard is None and not (
-        op.padded_contraction() and blocked_length % multiple
+        op.padded_contraction() and blocked_length % multiple and not _square(spec)
     ):
         return Plan(op, None, spec, role, op)
     flat = op.flat(multiple)
@@ -237,6 +241,14 @@ class Where(NamedTuple):
             f"an operand of shape {tuple(v.shape)} of the {self.role} product of "
             f"`{self.name}`"
         )
+
+
+def _square(spec: Product) -> bool:
+    """Whether a quantiser of `spec` has square blocks."""
+    return any(
+        isinstance(q, BlockQuantizer) and isinstance(q.axis, tuple)
+        for q in (spec.lhs, spec.rhs)
+    )
 
 
 def _no_square(op: Op, spec: Product, role: str) -> None:
