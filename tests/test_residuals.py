@@ -215,6 +215,9 @@ def test_values_and_gradients_are_those_of_the_backward_products(
     assert _mismatches(recipe, fresh_products) == {}
 
 
+# Slow tier (20 s: nvfp4 on every function); the quick tier keeps the planted
+# float32 residual beside the honest checks.
+@pytest.mark.slow
 def test_a_kept_operand_drawn_with_another_key_is_caught(fresh_products):
     """Planted: the kept operand rounded stochastically with other bits than the
     backward product's (NVFP4 rounds its gradients stochastically)."""
