@@ -52,8 +52,12 @@ def _unit(w: Array, axis: Axis) -> Array:
     `w / ‖w‖` where the norm is finite (`p` a power of two), and finite where the
     norm overflows (a float32 slice of 16 elements of 1e38 has the norm 4e38 > 3.4e38,
     yet its unit vector is 1/4 each)."""
-    p, r = _scaled(w, axis)
-    return (w * (1 / p)) / jnp.where(r == 0, 1, r)
+    m = jnp.max(jnp.abs(w), axis=axis, keepdims=True, initial=0)
+    u = w * (1 / power_of_two_near(m))
+    s = jnp.sum(jnp.square(u), axis=axis, keepdims=True)
+    # The double where: `sqrt`'s derivative at a zero slice's 0 is inf, which the
+    # second derivative (this is the tangent's `y`) would meet.
+    return u / jnp.sqrt(jnp.where(s == 0, 1, s))
 
 
 def _reference_norm(w: Array, axis: Axis) -> Array:
