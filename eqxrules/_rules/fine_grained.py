@@ -39,9 +39,10 @@ _SMALLEST_NORMAL = 2.0**-126
 
 
 def _domain(axis: int | tuple[int, int], size: int) -> Domain:
-    """Inputs of two axes, each blocked one two blocks long."""
+    """Inputs of two axes, each blocked one two blocks long, the other 8 (at least
+    64 elements: what `check_unbiased`'s sample needs)."""
     axes = {a % 2 for a in ((axis,) if isinstance(axis, int) else axis)}
-    return Domain(shape=tuple(2 * size if a in axes else 2 for a in range(2)))
+    return Domain(shape=tuple(2 * size if a in axes else 8 for a in range(2)))
 
 
 class BlockFloatQuantize(_Encoding):
