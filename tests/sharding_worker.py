@@ -118,14 +118,21 @@ def _plain_custom_jvp_keeps_layout(mesh) -> bool:
     return not grad_xs.sharding.is_fully_replicated
 
 
+def _batch(domain: eqxrules.Domain):
+    """`BATCH` samples of `domain`, stacked along a new leading axis."""
+    samples = [domain.sample(jax.random.key(100 + i)) for i in range(BATCH)]
+    return jtu.tree_map(lambda *a: np.stack([np.asarray(b) for b in a]), *samples)
+
+
 def check_entry(entry: eqxrules.Entry, mesh) -> list[str]:
     """Every example of `entry`, in one program per way of running it."""
     keeps_layout = _plain_custom_jvp_keeps_layout(mesh)
     rules = _examples(entry)
     kwargs = [rule.call_kwargs(jax.random.key(2)) for rule in rules]
-    # One input per row (an `eqxrules.Args` of them for a rule of several).
-    samples = [entry.domain.sample(jax.random.key(100 + i)) for i in range(BATCH)]
-    xs = jtu.tree_map(lambda *a: np.stack([np.asarray(b) for b in a]), *samples)
+    # Per example, one input per row from the example's own domain (its shape may
+    # be the example's: a block size must divide it), an `eqxrules.Args` of them
+    # for a rule of several.
+    xs = [_batch(rule.input_domain()) for rule in rules]
     params, static = eqx.partition(rules, eqx.is_inexact_array)
 
     def value_and_grad(params, xs):
@@ -137,7 +144,8 @@ def check_entry(entry: eqxrules.Entry, mesh) -> list[str]:
         # With respect to the parameters and every floating-point input (a mask
         # gets `None`).
         return [
-            eqx.filter_value_and_grad(loss)((p, xs), i) for i, p in enumerate(params)
+            eqx.filter_value_and_grad(loss)((p, x), i)
+            for i, (p, x) in enumerate(zip(params, xs))
         ]
 
     def local(params, xs):
@@ -204,7 +212,10 @@ def main() -> dict:
         try:
             failures = check_entry(entry, mesh)
         except Exception as e:
-            failures = [f"raised {traceback.format_exception_only(type(e), e)[-1]}"]
+            # The message's first line (JAX appends a note about its filtered
+            # traceback after it).
+            first = (str(e).strip().splitlines() or [""])[0]
+            failures = [f"raised {type(e).__name__}: {first}"]
         entries[entry.name] = {
             "examples": len(_examples(entry)),
             "failures": failures,

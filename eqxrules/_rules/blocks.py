@@ -50,12 +50,15 @@ def _to_blocks(x: Array, axis: int | tuple[int, int], size: int) -> Array:
     `(n // size, size)`: a reshape, which moves no data, so that XLA neither
     transposes nor copies the operand of a product. A block's elements run along
     the axes `_within` names (reduce over them, keeping dimensions, for one value
-    per block); for two axes a block is `size` x `size` over both."""
-    axes = _blocked_axes(axis, x.ndim)
-    shape: list[int] = []
-    for i, n in enumerate(x.shape):
-        shape += [n // size, size] if i in axes else [n]
-    return x.reshape(shape)
+    per block); for two axes a block is `size` x `size` over both.
+
+    Two axes are split by two reshapes, one axis each: JAX's sharding-in-types
+    (an explicitly sharded batch under `vmap`) takes a reshape that splits one
+    axis, not one that splits two at once; XLA folds them into one."""
+    for j, a in enumerate(_blocked_axes(axis, x.ndim)):
+        i = a + j  # the axes blocked before `a` each became two
+        x = x.reshape(x.shape[:i] + (x.shape[i] // size, size) + x.shape[i + 1 :])
+    return x
 
 
 def _within(axis: int | tuple[int, int], ndim: int) -> tuple[int, ...]:
@@ -66,8 +69,14 @@ def _within(axis: int | tuple[int, int], ndim: int) -> tuple[int, ...]:
 
 def _from_blocks(b: Array, like: Any) -> Array:
     """The inverse of `_to_blocks` for an array of `like`'s shape (an array or a
-    `jax.ShapeDtypeStruct`): the split was in place, so a reshape."""
-    return b.reshape(tuple(like.shape))
+    `jax.ShapeDtypeStruct`): the split was in place, so a reshape, merging one
+    pair of axes at a time (as `_to_blocks` splits them)."""
+    shape = tuple(like.shape)
+    for i in range(len(shape)):
+        if b.ndim > len(shape) and b.shape[i] != shape[i]:
+            b = b.reshape(b.shape[:i] + (shape[i],) + b.shape[i + 2 :])
+    # Blocks of one element leave a pair `(n, 1)` that compares equal: one reshape.
+    return b if b.shape == shape else b.reshape(shape)
 
 
 class BlockQuantizer(Rounded, JVPRule):
