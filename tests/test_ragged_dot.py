@@ -248,6 +248,7 @@ def test_planted_group_offsets_off_by_one_are_caught(planted):
     assert _failures(RECIPES["mxfp8"], SIZES["uneven"]) != {}
 
 
+@pytest.mark.slow  # beside the planted defects it clears (12 s of compiling)
 def test_the_planted_fixture_alone_passes(planted):
     assert _failures(RECIPES["mxfp8"], SIZES["uneven"]) == {}
 

@@ -230,6 +230,7 @@ def test_a_kept_operand_drawn_with_another_key_is_caught(fresh_products):
     assert set(_mismatches("nvfp4", fresh_products)) == set(_cases(None))
 
 
+@pytest.mark.slow  # 7 s of nvfp4 on the ragged product; the quick tier's 4 minutes
 def test_ragged_padding_left_out_is_caught(fresh_products):
     """Planted: the ragged product keeps each group's own rows but not the
     padding to the Hadamard transform's block, which the rotation fills and the
