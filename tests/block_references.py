@@ -2,9 +2,11 @@
 statements, tile by tile (each tile or block cut out of the matrix by slicing, not
 by a reshape): float32 arithmetic where the statement rounds to float32, casts by
 `ml_dtypes` for the element and scale formats, logarithms in float64 for the
-power-of-two exponents. XLA flushes float32 subnormals to zero on CPU and GPU, in
-its inputs and its results (the quantisers' docstrings say so): so do these, at
-both ends. For matrices (two axes), as the tests use them."""
+power-of-two exponents. Where the backend flushes float32 subnormals to zero
+(XLA's CPU, inputs and results) so do these, at both ends; and a quotient that is
+not by a power of two is the backend's (`backend.quotient`: correctly rounded on
+the CPU, within 2 ulps on a GPU). For matrices (two axes), as the tests use
+them."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
+from backend import ftz, quotient
 
 F32 = np.float32
 MAX = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
@@ -33,13 +36,6 @@ def cast(fmt: str, y) -> np.ndarray:
     return np.where(np.isnan(y), F32(np.nan), r)
 
 
-def ftz(a: np.ndarray) -> np.ndarray:
-    """Subnormal float32 values as zeros of their sign, as XLA takes and gives
-    them."""
-    with np.errstate(invalid="ignore"):  # inf · 0, not selected
-        return np.where(np.abs(a) < np.finfo(F32).tiny, a * F32(0), a).astype(F32)
-
-
 def tiles(shape: tuple[int, int], axis, size: int) -> Iterator[tuple[slice, slice]]:
     """The slices of each tile of a matrix: `size` consecutive elements along
     `axis` (0 or 1, or -1), or `size` x `size` squares for `axis=(0, 1)`."""
@@ -58,21 +54,28 @@ def tiles(shape: tuple[int, int], axis, size: int) -> Iterator[tuple[slice, slic
                 yield slice(i, i + size), slice(j, j + 1)
 
 
+def _spread(shape, tiles_: list, values) -> np.ndarray:
+    """A float32 matrix of `shape` holding each tile's value over the tile."""
+    out = np.empty(shape, F32)
+    for t, v in zip(tiles_, values):
+        out[t] = v
+    return out
+
+
 def block_float(x, fmt: str, size: int, axis) -> np.ndarray:
     """DeepSeek-V3's tiles: per tile, s = max(a/M, 2^-126) in float32,
-    q = cast(clip(x/s, ±M))·s; a tile holding a NaN or an inf is NaN."""
+    q = cast(clip(x/s, ±M))·s; a tile holding a NaN or an inf is NaN. (The
+    quotients of every tile at once: two calls to the backend.)"""
     x = ftz(np.asarray(x, F32))
-    out = np.empty_like(x)
     M = F32(MAX[fmt])
-    for t in tiles(x.shape, axis, size):
-        b = x[t]
-        a = np.max(np.abs(b))
-        if not np.isfinite(a):
+    ts = list(tiles(x.shape, axis, size))
+    a = np.array([np.max(np.abs(x[t])) for t in ts], F32)
+    s = _spread(x.shape, ts, np.maximum(quotient(a, M), F32(2.0**-126)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = cast(fmt, np.clip(quotient(x, s), -M, M)) * s
+    for t, top in zip(ts, a):
+        if not np.isfinite(top):
             out[t] = np.nan
-            continue
-        s = max(F32(a) / M, F32(2.0**-126))
-        with np.errstate(over="ignore"):
-            out[t] = cast(fmt, np.clip(b / s, -M, M)) * s
     return ftz(out)
 
 
@@ -107,28 +110,33 @@ def nvfp4(x, axis, four_over_six: bool) -> np.ndarray:
     block of 16 (or 16x16), s_m = cast_e4m3(clip(a/m/t, 0, 448)) and
     q_m = cast_e2m1(clip(x/(t·s_m), ±6))·(t·s_m), zeros where s_m is 0; m = 6,
     or with Four Over Six whichever of 4 and 6 gives the lower sum of squared
-    errors (in float64; 6 on a tie); a NaN or inf anywhere makes everything NaN."""
+    errors (in float64; 6 on a tie); a NaN or inf anywhere makes everything NaN.
+    (The quotients of every block at once, per m.)"""
     x = ftz(np.asarray(x, F32))
     A = np.max(np.abs(x))
     if not np.isfinite(A):
         return np.full_like(x, np.nan)
-    t = F32(A) / F32((256 if four_over_six else 448) * 6)
+    t = quotient(F32(A), F32((256 if four_over_six else 448) * 6))
+    ts = list(tiles(x.shape, axis, 16))
+    a = np.array([np.max(np.abs(x[tile])) for tile in ts], F32)
+    candidates = []
+    for m in (6, 4) if four_over_six else (6,):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            s = cast("e4m3", np.clip(quotient(quotient(a, F32(m)), t), 0, 448))
+            d = (t * s).astype(F32)
+            q = cast("e2m1", np.clip(quotient(x, _spread(x.shape, ts, d)), -6, 6))
+            q = q * _spread(x.shape, ts, d)
+        candidates.append((s, q))
     out = np.empty_like(x)
-    for tile in tiles(x.shape, axis, 16):
+    for i, tile in enumerate(ts):
         b = x[tile]
-        a = np.max(np.abs(b))
-        candidates = []
-        for m in (6, 4) if four_over_six else (6,):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                s = cast("e4m3", np.clip((a / F32(m)) / t, 0, 448).astype(F32))
-                d = F32(t * s)
-                q = cast("e2m1", np.clip(b / d, -6, 6).astype(F32)) * d
-            q = q if s > 0 else b * F32(0)
-            error = np.sum((q.astype(np.float64) - b) ** 2)
-            candidates.append((error, q))
-        best = candidates[0]
-        if len(candidates) > 1 and candidates[1][0] < best[0]:
-            best = candidates[1]
+        best = None
+        for s, q in candidates:
+            qb = q[tile] if s[i] > 0 else b * F32(0)
+            error = np.sum((qb.astype(np.float64) - b) ** 2)
+            if best is None or error < best[0]:  # the first (6) on a tie
+                best = (error, qb)
+        assert best is not None
         out[tile] = best[1]
     return ftz(out)
 

@@ -328,6 +328,9 @@ def conv_of(case):
             dimension_numbers=dn,
             feature_group_count=groups,
             preferred_element_type=jnp.float32,
+            # Named, as the quantised products name theirs: a GPU's default is
+            # TF32 (the CPU's is float32 itself).
+            precision=jax.lax.Precision.HIGHEST,
         )
 
     def quantized(recipe, key):

@@ -157,12 +157,19 @@ def test_the_bit_comparison_can_fail():
     """Planted defect: a `calibrate` that fits the examples in the batch's order
     (what one callback per batch gives) rather than sorted by their bytes, as 0.2.0
     did, differs in the last bits on the "lsq" case, so the comparison above
-    catches a `calibrate` that dropped the sort."""
-    model, x, _ = _case("lsq")
-    hidden = np.asarray(jax.vmap(lambda v: jax.nn.relu(model.layers[0](v)))(x))
-    in_order = np.stack(sorted(hidden, key=lambda a: a.tobytes()))
-    quantizer = model.layers[1].input_quantizer
-    fits = [quantizer.initialised_from(jnp.asarray(h)) for h in (in_order, hidden)]
+    catches a `calibrate` that dropped the sort. On the CPU, which every JAX has,
+    whose float32 sums of this data depend on their order (the H200's gave the
+    same bits in both orders: there the sort changes nothing)."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        model, x, _ = _case("lsq")  # its arrays made on the CPU
+        hidden = np.asarray(jax.vmap(lambda v: jax.nn.relu(model.layers[0](v)))(x))
+        in_order = np.stack(sorted(hidden, key=lambda a: a.tobytes()))
+        quantizer = model.layers[1].input_quantizer
+        fits = [
+            quantizer.initialised_from(jax.device_put(h, cpu))
+            for h in (in_order, hidden)
+        ]
     assert _bits(fits[0]) != _bits(fits[1])
 
 

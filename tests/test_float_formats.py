@@ -23,6 +23,7 @@ import jax.tree_util as jtu
 import ml_dtypes
 import numpy as np
 import pytest
+from backend import ftz, quotient
 
 import eqxrules
 from eqxrules._rules import _formats, blocks
@@ -115,12 +116,6 @@ def test_element_format_derivative_is_the_selected_range(fmt):
 # -- block formats, written out in NumPy --------------------------------------------
 
 
-def _ftz(a: np.ndarray) -> np.ndarray:
-    """Subnormals flushed to zeros of their sign, as XLA does on CPU and GPU."""
-    tiny = np.finfo(F32).tiny
-    return np.where(np.abs(a) < tiny, a * F32(0), a).astype(F32)
-
-
 def _blocks(x: np.ndarray, axis: int, size: int) -> np.ndarray:
     m = np.moveaxis(x, axis, -1)
     return m.reshape(*m.shape[:-1], m.shape[-1] // size, size)
@@ -144,7 +139,7 @@ def numpy_mx(x, fmt, size, axis, *, rounding=np.floor):
     with np.errstate(invalid="ignore", over="ignore"):
         q = _cast(fmt, np.clip(b / X, -MAX[fmt], MAX[fmt])) * X
     q = np.where(np.isfinite(amax), q, F32(np.nan))
-    return _ftz(_unblocks(q, axis, x))
+    return ftz(_unblocks(q, axis, x))
 
 
 def numpy_nvfp4(x, axis):
@@ -155,15 +150,15 @@ def numpy_nvfp4(x, axis):
     A = np.max(np.abs(x)) if x.size else F32(0)
     if not np.isfinite(A):
         return np.full_like(x, np.nan)
-    t = F32(A) / F32(448 * 6)
+    t = quotient(F32(A), F32(448 * 6))
     b = _blocks(x, axis, 16)
     a = np.max(np.abs(b), axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        s = _cast("e4m3", np.clip((a / F32(6)) / t, 0, 448).astype(F32))
+        s = _cast("e4m3", np.clip(quotient(quotient(a, F32(6)), t), 0, 448))
         d = (t * s).astype(F32)
-        q = _cast("e2m1", np.clip(b / d, -6, 6).astype(F32)) * d
+        q = _cast("e2m1", np.clip(quotient(b, d), -6, 6).astype(F32)) * d
     q = np.where(s > 0, q, b * F32(0))
-    return _ftz(_unblocks(q, axis, x))
+    return ftz(_unblocks(q, axis, x))
 
 
 def _block_cases(size: int, scale: float = 1.0) -> np.ndarray:

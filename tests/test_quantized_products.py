@@ -54,6 +54,7 @@ from eqxrules._lowp import ops
 
 # Every case jitted; eagerly (op by op, one compiled program per product), the
 # first case of each family, every recipe.
+HIGHEST = jax.lax.Precision.HIGHEST
 _DOT_RUNS = [
     (case, recipe, jit)
     for jit in (True, False)
@@ -100,12 +101,14 @@ def _in_float32(f):
 
 def _identity_mismatches(recipe, jit, conv=True):
     """The cases (and dtypes) where `recipe`'s products, value and cotangents, are
-    not `lax`'s bit for bit (in float32; for bfloat16, as `_in_float32` says)."""
+    not `lax`'s bit for bit (in float32; for bfloat16, as `_in_float32` says), at
+    `Precision.HIGHEST`, which the products name for float32 operands (a GPU's
+    default is TF32; the CPU's is float32 itself)."""
     run = jax.jit(vjp, static_argnums=0) if jit else vjp
     mismatched = []
     for name, (ls, rs, dn, _) in DOT_CASES.items():
         lhs, rhs = data_of((ls, rs), "random")
-        plain = ft.partial(jax.lax.dot_general, dimension_numbers=dn)
+        plain = ft.partial(jax.lax.dot_general, dimension_numbers=dn, precision=HIGHEST)
         dy = data_of([out_shape(plain, lhs, rhs)], "random")[0]
         for dtype in (jnp.float32, jnp.bfloat16):
             args = [v.astype(dtype) for v in (lhs, rhs, dy)]
@@ -159,7 +162,7 @@ def test_einsum_is_dot_general_transposed():
     ident = eqxrules.quantized_einsum(
         "bhqk,bhkd->bdhq", p, v, recipe=recipes.identity()
     )
-    want = jnp.einsum("bhqk,bhkd->bdhq", p, v)
+    want = jnp.einsum("bhqk,bhkd->bdhq", p, v, precision=HIGHEST)
     bound = 2 * gamma(16, U32) * jnp.einsum("bhqk,bhkd->bdhq", jnp.abs(p), jnp.abs(v))
     assert bool(jnp.all(jnp.abs(ident - want) <= bound))
 

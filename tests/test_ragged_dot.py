@@ -30,6 +30,7 @@ from eqxrules import recipes
 from eqxrules._lowp import ops, quantise
 
 KEY = jax.random.key(3)
+HIGHEST = jax.lax.Precision.HIGHEST
 U32 = 2.0**-24
 M, K, N, G = 64, 32, 32, 4
 RECIPES = {
@@ -167,7 +168,11 @@ def test_the_identity_recipe_is_lax_ragged_dot_bit_for_bit():
     for sizes in SIZES.values():
         gs = jnp.asarray(sizes, jnp.int32)
         got = _vjp(recipes.identity(), lhs, rhs, gs, dy, None)
-        y, pull = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), lhs, rhs)
+        # At the precision the products name for float32 operands (a GPU's
+        # default is TF32).
+        y, pull = jax.vjp(
+            lambda a, b: jax.lax.ragged_dot(a, b, gs, precision=HIGHEST), lhs, rhs
+        )
         for a, b in zip(got, (y, *pull(dy))):
             assert np.array_equal(a, b), sizes
 

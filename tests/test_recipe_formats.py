@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from backend import ftz, quotient
 
 import eqxrules
 from eqxrules._rules import blocks, floats, nvfp4
@@ -34,11 +35,6 @@ def _cast(fmt: str, y: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(y), F32(np.nan), r)
 
 
-def _ftz(a: np.ndarray) -> np.ndarray:
-    """Subnormal float32 results as zeros of their sign, as XLA gives them."""
-    return np.where(np.abs(a) < np.finfo(F32).tiny, a * F32(0), a).astype(F32)
-
-
 def numpy_nvfp4_2d(x: np.ndarray) -> np.ndarray:
     """Tile by tile: t = A/2688 over the matrix; per 16x16 tile, s =
     cast_e4m3(clip(a/6/t, 0, 448)), d = t·s, q = cast_e2m1(clip(x/d, ±6))·d; a zero
@@ -47,17 +43,18 @@ def numpy_nvfp4_2d(x: np.ndarray) -> np.ndarray:
     A = np.max(np.abs(x))
     if not np.isfinite(A):
         return np.full_like(x, np.nan)
-    t = F32(A) / F32(2688)
+    t = quotient(F32(A), F32(2688))
     out = np.empty_like(x)
     for i in range(0, x.shape[0], 16):
         for j in range(0, x.shape[1], 16):
             b = x[i : i + 16, j : j + 16]
             with np.errstate(divide="ignore", invalid="ignore"):
-                s = _cast("e4m3", np.clip(np.max(np.abs(b)) / F32(6) / t, 0, 448))
+                a = quotient(np.max(np.abs(b)), F32(6))
+                s = _cast("e4m3", np.clip(quotient(a, t), 0, 448))
                 d = F32(t * s)
-                q = _cast("e2m1", np.clip(b / d, -6, 6)) * d
+                q = _cast("e2m1", np.clip(quotient(b, d), -6, 6)) * d
             out[i : i + 16, j : j + 16] = q if s > 0 else b * F32(0)
-    return _ftz(out)
+    return ftz(out)
 
 
 def _matrices() -> dict[str, np.ndarray]:
@@ -128,8 +125,9 @@ def numpy_amax(x: np.ndarray, fmt: str) -> np.ndarray:
     A = np.max(np.abs(x))
     if not np.isfinite(A):
         return np.full_like(x, np.nan)
-    s = max(F32(A) / F32(MAX[fmt]), F32(2.0**-126))
-    return (_cast(fmt, np.clip(x / s, -MAX[fmt], MAX[fmt])) * s).astype(F32)
+    s = max(quotient(F32(A), F32(MAX[fmt])), F32(2.0**-126))
+    y = quotient(x, s)
+    return (_cast(fmt, np.clip(y, -MAX[fmt], MAX[fmt])) * s).astype(F32)
 
 
 def _amax_cases() -> dict[str, np.ndarray]:

@@ -84,9 +84,9 @@ def round_ratio(num: int, den: int, dtype: Any, mode: str = "nearest") -> float:
 def round_to(v: Fraction, dtype: Any, mode: str = "nearest") -> float:
     """`v` rounded into `dtype`: `"nearest"` (ties to even, subnormals kept), or,
     for comparisons, `"down"` (towards -inf) or `"up"` into the normal numbers and
-    zero. XLA flushes subnormals to zero on CPU and GPU (inputs and constants
-    alike), so a comparison with a subnormal constant would not be the one
-    written; over the normal numbers and zero, `x > c` is `x > c'` with `c'` the
+    zero. XLA flushes subnormals to zero on the CPU (inputs and constants alike;
+    an H200 does not), so a comparison with a subnormal constant would not be
+    the one written there; over the normal numbers and zero, `x > c` is `x > c'` with `c'` the
     rounding down of `c` into them, and `x >= c` is `x >= c'` with the rounding up.
     The result is a Python float holding the rounded value exactly."""
     return round_ratio(v.numerator, v.denominator, dtype, mode)

@@ -62,7 +62,8 @@ class BlockFloatQuantize(_Encoding):
     q_i = s \cdot \operatorname{round}_{\mathrm{fmt}}\!\big(
     \operatorname{clip}(b_i / s, -M, M)\big), \qquad \dot q = t$$
 
-    each operation rounded to float32: $s$ is not a power of two, so $q_i$ is
+    each operation rounded to float32 (the division as the backend rounds it:
+    correctly on the CPU, within 2 ulps on a GPU): $s$ is not a power of two, so $q_i$ is
     the code times $s$ rounded once more, and the block's largest element goes
     to $\pm M$ (clipped only by the rounding of $s$). $s$ is never zero nor
     subnormal, so an all-zero block stays zero (with its signs). A NaN or

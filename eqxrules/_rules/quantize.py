@@ -192,7 +192,7 @@ class SteQuantize(_Grid):
     `round(clip(x)/2^e)·2^e`, exact as it is. A grid whose constants fail the check
     (some of 13 bits or more) and float64 inputs read the levels from a table (a
     gather, slower on CPUs and TPUs). Subnormal inputs may act as zero (XLA
-    flushes them on CPU and GPU).
+    flushes them on the CPU; an H200 keeps them).
 
     **No zero level by default.** $2^b$ levels on the symmetric $[-1, 1]$ are
     $\pm 1/n, \pm 3/n, \dots$: $0$ is the tie between $-1/n$ and $+1/n$ and goes
