@@ -56,6 +56,7 @@ if str(ROOT) not in sys.path:
 # residuals, batching and the ragged product (their quick tier); first those that
 # failed on the H100 (benchmarks/GPU.md), so that a tight budget runs them.
 TEST_FILES = [
+    "test_backend_references.py",
     "test_quantized_dot.py",
     "test_stochastic_rounding_rules.py",
     "test_recipe_formats.py",
