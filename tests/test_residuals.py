@@ -178,7 +178,7 @@ def _gradients(f, x, w, ct=None):
 # Recipes whose quantisers commute with |.| (symmetric scales from amax, rounding
 # to nearest, no rotation): their products of |x|, |w| and |ct| are the sums of
 # magnitudes of the very terms the products of x, w and ct add.
-ABS_COMMUTING = ("fp8", "mxfp8")
+ABS_COMMUTING = ("fp8", "mxfp8", "fp8_blockwise", "fp8_rowwise")
 
 
 def _summation_bound(f, x, w, ct) -> tuple:
