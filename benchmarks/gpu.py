@@ -94,13 +94,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def command(argv: Sequence[str], timeout: float, xla_flags: str = "") -> dict[str, Any]:
-    """Run `argv` from the checkout's root (with `xla_flags` added to
-    `XLA_FLAGS`): its exit code (`None` if it ran past `timeout` seconds and was
-    killed), seconds, and the end of its output."""
+def command(argv: Sequence[str], timeout: float) -> dict[str, Any]:
+    """Run `argv` from the checkout's root: its exit code (`None` if it ran past
+    `timeout` seconds and was killed), seconds, and the end of its output."""
     env = _env()
-    if xla_flags:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     start = time.perf_counter()
     try:
         done = subprocess.run(
@@ -194,19 +191,10 @@ def catalogue(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# The tests compile with autotuning off: each product then takes the algorithm its
-# shapes and dtypes give, not the fastest one measured for its program, so two
-# programs' products of the same operands sum in the same order (test_residuals
-# compares two custom VJPs' convolutions bit for bit: with autotuning, cuDNN's
-# choices differed between them on the H200). Values are no less exact.
-TEST_XLA_FLAGS = "--xla_gpu_autotune_level=0"
-
-
 def _pytest(name: str, timeout: float) -> dict[str, Any]:
     run = command(
         [sys.executable, "-m", "pytest", f"tests/{name}", "-n", "0", "-rfE"],
         timeout,
-        TEST_XLA_FLAGS,
     )
     stdout = run.pop("stdout")
     lines = [line for line in stdout.splitlines() if line.strip()]
