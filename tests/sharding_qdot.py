@@ -106,9 +106,13 @@ def collectives(text: str) -> list[tuple[str, list[int]]]:
 def in_mesh(mesh):
     """The context that explicit sharding asks for around a program on `mesh`
     (`jax.set_mesh`, from jax 0.7; `lax.axis_index` of a `vmap` over a sharded
-    axis needs it), or none where JAX has no such thing."""
+    axis needs it), or none where JAX has no explicit sharding (no
+    `jax.sharding.AxisType`: jax 0.5's experimental `use_mesh` there breaks a
+    plain `vmap` of `jnp.dot` over a sharded batch)."""
     setter = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "use_mesh", None)
-    return contextlib.nullcontext() if setter is None else setter(mesh)
+    if setter is None or not hasattr(jax.sharding, "AxisType"):
+        return contextlib.nullcontext()
+    return setter(mesh)
 
 
 def _auto(mesh):
