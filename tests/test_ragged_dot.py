@@ -205,6 +205,19 @@ def planted(fresh_products):
 
 
 @pytest.mark.slow
+def test_planted_packed_segments_off_their_blocks_are_caught(planted):
+    """The packed layout of the weight gradient's rows (`ops.packed`, a block
+    quantiser keeping nothing per tensor) with each group from any row, not from
+    a multiple of the block: a block then straddles two groups."""
+    honest = ops.packed
+    planted.setattr(
+        ops, "packed", lambda v, dim, sizes, multiple: honest(v, dim, sizes, 1)
+    )
+    floor = recipes.MXFP8(scale_rounding="floor")
+    assert "drhs" in _failures(floor, SIZES["uneven"])
+
+
+@pytest.mark.slow
 def test_planted_blocks_straddling_two_groups_are_caught(planted):
     """The weight gradient's rows blocked along the whole `lhs` (groups not laid
     out each from row 0)."""

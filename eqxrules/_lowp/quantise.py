@@ -409,7 +409,27 @@ def _segments(
 ) -> tuple[Array, Array | None]:
     """Each segment of rows along `operand.segmented` (consecutive, of lengths
     `sizes`) its own tensor (`segment_layout`), quantised, and put back in place
-    (`put_back`)."""
+    (`put_back`). Where `q` keeps nothing per tensor and draws nothing
+    (`_within_rows`), each block's result is its own: with no block along the
+    rows `v` is quantised in place, and with blocks along them (the weight
+    gradient's) the segments packed, each from a whole block (`ops.packed`);
+    either way without the `[groups, P, ...]` layout (`g` times `v`'s bytes), the
+    values the same."""
+    whole = operand._replace(segmented=None)
+    dim = operand.segmented
+    if dim not in operand.blocked and _within_rows(q, v, whole, key, where):
+        return along(q, v, whole, key, where)
+    if (
+        operand.blocked == (dim,)
+        and _within_rows(q, v, whole, key, where)
+        and _fixed_blocks(q, v, whole, where)
+    ):
+        # Blocks along the rows, each within its segment: the segments packed
+        # (`ops.packed`), quantised there in place.
+        rows, back = ops.packed(v, dim, sizes, block_of(q))
+        value, scale = along(q, rows, whole, key, where)
+        assert scale is None
+        return back(value), None
     per, back, inner = segment_layout(q, v, operand, sizes)
     keys = _keys(key, sizes.shape[0])
 
@@ -419,6 +439,31 @@ def _segments(
     in_axes = (0, 0 if keys is not None else None)
     value, scale = jax.vmap(one, in_axes=in_axes)(per, keys)
     return put_back(value, scale, back)
+
+
+def _within_rows(q: Any, v: Array, whole: Operand, key: Any, where: Where) -> bool:
+    """Whether `q`, its blocks along `whole.blocked` (not along the rows), quantises
+    each row of `v` from that row alone: a `LowPrecision` quantiser whose encoding
+    has no tensor scale (its `Encoded.tensor` is `None`, read from its shapes),
+    drawing no random bits (no `key`: a segment's draws are its own)."""
+    if key is not None:
+        return False
+    fitted, prepared, _ = _fit(q, v, whole, where)
+    if not isinstance(fitted, LowPrecision):
+        return False
+    encoded = jax.eval_shape(lambda u: fitted.encode(u), prepared)
+    return encoded.tensor is None
+
+
+def _fixed_blocks(q: Any, v: Array, whole: Operand, where: Where) -> bool:
+    """Whether `q`'s blocks along the rows of `v` are `block_of(q)` rows each
+    whatever their number (read from its scales' shape: one per block along
+    axis 0), so that a block from a multiple of it stays within one segment: not
+    a row-wise quantiser's (`RowFloatQuantize`: one block the whole axis). No
+    scales at all: each element alone."""
+    fitted, prepared, _ = _fit(q, v, whole, where)
+    scales = jax.eval_shape(lambda u: fitted.encode(u), prepared).scales
+    return scales is None or scales.shape[0] * block_of(q) == prepared.shape[0]
 
 
 def segment_layout(
