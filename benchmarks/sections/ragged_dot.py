@@ -11,8 +11,9 @@ them), where `f` is
   group's rows gathered from row 0 (`jnp.take`, zeros past the group), each
   group's rows and matrix quantised by the recipe's public quantisers (`jax.vmap`
   over the groups) along what each product contracts, the weight gradient's
-  along each group's rows; the rows put back in place; then `lax.ragged_dot`
-  and its VJP;
+  along each group's rows, its left operand quantised in the forward pass and
+  kept in its formats (as the other sections' baselines keep theirs); the rows
+  put back in place; then `lax.ragged_dot` and its VJP;
 - `lax.ragged_dot` in float32 (the float32 target: flops and temp bytes).
 
 XLA's CPU backend computes `lax.ragged_dot` densely over the groups (about 8x the
@@ -64,23 +65,61 @@ def _sizes(groups: int, m: int) -> np.ndarray:
     return sizes
 
 
-def _q(q: Any, v: jax.Array, axis: int) -> exact.Operand:
-    """`q` on `v`, blocks along `axis`."""
+def _along(q: Any, axis: int) -> Any:
+    """`q` with its blocks along `axis`."""
     if isinstance(q, eqxrules.BlockQuantizer) and not isinstance(q.axis, tuple):
         q = dataclasses.replace(q, axis=axis)
-    return exact.quantised(q, v, None)
+    return q
 
 
-def _each(q: Any, per: jax.Array, axis: int) -> exact.Operand:
-    """`q` on each group (`per[i]`), its values times its own tensor scale: a
-    product cannot take a scale per group out of its sum."""
-    if q is None:
-        return exact.Operand(per)
-    value, scale = jax.vmap(lambda u: _q(q, u, axis)[:2])(per)
-    exact_payload = _q(q, per[0], axis).exact
+def _q(q: Any, v: jax.Array, axis: int) -> exact.Operand:
+    """`q` on `v`, blocks along `axis`."""
+    return exact.quantised(_along(q, axis), v, None)
+
+
+def _per_tensor(parts: Any) -> exact.Operand:
+    """Operands of each group (`[g, ...]` values, `[g]` tensor scales or `None`),
+    each value times its own tensor scale: a product cannot take a scale per
+    group out of its sum."""
+    value, scale, exact_payload = parts
     if scale is None:
         return exact.Operand(value, None, exact_payload)
     return exact.Operand(value * scale.reshape(-1, *(1,) * (value.ndim - 1)))
+
+
+def _each(q: Any, per: jax.Array, axis: int) -> exact.Operand:
+    """`q` on each group (`per[i]`)."""
+    if q is None:
+        return exact.Operand(per)
+    value, scale = jax.vmap(lambda u: _q(q, u, axis)[:2])(per)
+    return _per_tensor((value, scale, _q(q, per[0], axis).exact))
+
+
+def _kept_each(q: Any, per: jax.Array, axis: int) -> Any:
+    """`exact.kept` of each group (`per[i]`): its parts in their formats."""
+    if q is None:
+        return per
+    return jax.vmap(lambda u: exact.kept(_along(q, axis), u, None))(per)
+
+
+def _loaded_each(q: Any, k: Any, like: Any, axis: int) -> exact.Operand:
+    """The operands `_kept_each` kept (`k`), each group's of `like`'s shape."""
+    if q is None:
+        return exact.Operand(k)
+    fitted = _along(q, axis)
+    value, scale, _ = jax.vmap(lambda u: exact.loaded(fitted, u, like))(k)
+    first = jax.tree.map(lambda t: t[0], k)
+    return _per_tensor((value, scale, exact.loaded(fitted, first, like).exact))
+
+
+def _place(m: int, sizes: jax.Array) -> jax.Array:
+    """Each of `m` rows' place in the `[g, m, ·]` layout of `_per_group`."""
+    starts = jnp.cumsum(sizes) - sizes
+    local = jnp.arange(m)
+    group = jnp.clip(
+        jnp.searchsorted(jnp.cumsum(sizes), local, side="right"), 0, len(sizes) - 1
+    )
+    return jnp.stack([group, local - starts[group]])
 
 
 def _per_group(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -92,10 +131,7 @@ def _per_group(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
     rows = starts[:, None] + local[None, :]
     inside = local[None, :] < sizes[:, None]
     per = jnp.where(inside[..., None], jnp.take(v, jnp.clip(rows, 0, m - 1), axis=0), 0)
-    group = jnp.clip(
-        jnp.searchsorted(jnp.cumsum(sizes), local, side="right"), 0, len(sizes) - 1
-    )
-    return per, jnp.stack([group, local - starts[group]])
+    return per, _place(m, sizes)
 
 
 def _back(per: jax.Array, place: jax.Array) -> jax.Array:
@@ -125,10 +161,13 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
         return exact.contract(dot(sizes), qa, qb)
 
     def f_fwd(a, b, sizes):
-        return f(a, b, sizes), (a, b, sizes)
+        # The weight gradient's left operand, each group's, quantised now and
+        # kept in its formats (its `[g, m, k]` layout).
+        kept = _kept_each(p.dw.lhs, _per_group(a, sizes)[0], 0)
+        return f(a, b, sizes), (kept, b, sizes)
 
     def f_bwd(residuals, dy):
-        a, b, sizes = residuals
+        kept, b, sizes = residuals
         qb = exact.reshaped(_each(p.dx.rhs, b, 1), lambda u: jnp.swapaxes(u, 1, 2))
         da = exact.contract(dot(sizes), rows(p.dx.lhs, dy, sizes, 1), qb)
 
@@ -136,7 +175,13 @@ def hand_written(recipe: recipes.Recipe) -> Callable[..., jax.Array]:
             forward = dot(sizes)
             return jax.vjp(lambda u: forward(qa, u, precision), b)[1](g)[0]
 
-        qa, g = rows(p.dw.lhs, a, sizes, 0), rows(p.dw.rhs, dy, sizes, 0)
+        m, k = dy.shape[0], b.shape[1]
+        like = jax.ShapeDtypeStruct((m, k), F32)
+        place = _place(m, sizes)
+        qa = exact.reshaped(
+            _loaded_each(p.dw.lhs, kept, like, 0), lambda u: _back(u, place)
+        )
+        g = rows(p.dw.rhs, dy, sizes, 0)
         return da, exact.contract(weight_gradient, qa, g), None
 
     f.defvjp(f_fwd, f_bwd)
