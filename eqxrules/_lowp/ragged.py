@@ -259,10 +259,14 @@ def quantized_ragged_dot(
     included. With the identity recipe, the value and both cotangents are
     `lax.ragged_dot`'s and its VJP's, bit for bit (tested on the CPU).
 
-    **Cost.** Each group's own scales and blocks are computed on the group's rows
-    laid out from row 0 (`[g, m, ·]`, zeros elsewhere), which is what XLA's CPU
-    backend does for `lax.ragged_dot` itself (it computes the product densely over
-    the groups). The products are `lax.ragged_dot` and its transposes, so a
+    **Cost.** A quantiser with a scale per tensor (`fp8()`'s) or drawing random
+    bits computes each group's scales and blocks on the group's rows laid out
+    from row 0 (`[g, m, ·]`, zeros elsewhere), which is what XLA's CPU backend
+    does for `lax.ragged_dot` itself (it computes the product densely over the
+    groups). One with block scales alone (`mxfp8()`'s) needs no such layout: it
+    quantises the rows in place where its blocks run along $k$ or $n$, and, for
+    the weight gradient, the groups packed one after another, each from a
+    multiple of the block ($m + g(B - 1)$ rows), with the same values. The products are `lax.ragged_dot` and its transposes, so a
     backend with a grouped kernel (a GPU's) runs them as such; a weight-gradient
     product with a Hadamard transform is a batched product over the groups'
     padded rows.
