@@ -355,10 +355,15 @@ def _unpack(packed: Array, counts: Array, length: int) -> Array:
     zero)."""
     starts = jnp.cumsum(counts) - counts
     local = jnp.arange(length)
-    index = jnp.clip(starts[:, None] + local[None, :], 0, packed.shape[0] - 1)
+    total = packed.shape[0]
     valid = local[None, :] < counts[:, None]
-    mask = valid.reshape(*valid.shape, *(1,) * (packed.ndim - 1))
-    return jnp.where(mask, packed[index], jnp.zeros((), packed.dtype))
+    # Past its entries, a group reads an entry of zeros appended to `packed`: a
+    # select on the `[g, length]` indices, not on the `[g, length, ...]` values.
+    index = jnp.where(
+        valid, jnp.clip(starts[:, None] + local[None, :], 0, total - 1), total
+    )
+    zero = jnp.zeros((1, *packed.shape[1:]), packed.dtype)
+    return jnp.concatenate([packed, zero])[index]
 
 
 def loaded(s: Saved, extras: tuple[Array, ...]) -> Quantised:
