@@ -417,6 +417,7 @@ def _segments(
     values the same."""
     whole = operand._replace(segmented=None)
     dim = operand.segmented
+    assert dim is not None
     if dim not in operand.blocked and _within_rows(q, v, whole, key, where):
         return along(q, v, whole, key, where)
     if (
@@ -442,10 +443,10 @@ def _segments(
 
 
 def _within_rows(q: Any, v: Array, whole: Operand, key: Any, where: Where) -> bool:
-    """Whether `q`, its blocks along `whole.blocked` (not along the rows), quantises
-    each row of `v` from that row alone: a `LowPrecision` quantiser whose encoding
-    has no tensor scale (its `Encoded.tensor` is `None`, read from its shapes),
-    drawing no random bits (no `key`: a segment's draws are its own)."""
+    """Whether `q`, its blocks along `whole.blocked`, quantises each block of `v`
+    from that block alone: a `LowPrecision` quantiser whose encoding has no
+    tensor scale (its `Encoded.tensor` is `None`, read from its shapes), drawing
+    no random bits (no `key`: a segment's draws are its own)."""
     if key is not None:
         return False
     fitted, prepared, _ = _fit(q, v, whole, where)
@@ -462,6 +463,7 @@ def _fixed_blocks(q: Any, v: Array, whole: Operand, where: Where) -> bool:
     a row-wise quantiser's (`RowFloatQuantize`: one block the whole axis). No
     scales at all: each element alone."""
     fitted, prepared, _ = _fit(q, v, whole, where)
+    assert isinstance(fitted, LowPrecision)  # `_within_rows` holds
     scales = jax.eval_shape(lambda u: fitted.encode(u), prepared).scales
     return scales is None or scales.shape[0] * block_of(q) == prepared.shape[0]
 
