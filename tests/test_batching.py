@@ -214,6 +214,7 @@ def test_a_named_vmap_of_both_operands_is_one_batched_product():
 # Errors.
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_an_unbound_axis_name_is_an_error_naming_it():
     for name, case in CASES.items():
         f = case.call(case.recipes["mxfp8"], None, "nowhere")

@@ -146,6 +146,7 @@ def _dense_matches(layer: eqx.nn.Linear, params: dict, x: jax.Array) -> bool:
     return bool(jnp.all(jnp.abs(linen - ours) <= bound))
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_flax_params_are_the_equinox_mlps():
     mlp = eqx.nn.MLP(48, 32, 64, 2, key=jax.random.key(3))
     params = qwix_side.flax_params(mlp)["params"]

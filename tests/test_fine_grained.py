@@ -161,6 +161,7 @@ def test_planted_four_over_six_under_the_plain_tensor_scale_is_caught(retraced):
     assert _nvfp4_mismatches(eqxrules.NVFP4Quantize(four_over_six=True), True) != {}
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_four_over_six_errs_less_on_gaussian_blocks():
     """The reason for the option: less squared error than NVFP4 on Gaussian data
     (the issue measured about 16% less; here at least 5%, over 4096 blocks)."""

@@ -127,6 +127,7 @@ def _jitted(entry: eqxrules.Entry):
     return run
 
 
+@pytest.mark.first_entry_quick
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_nan_and_inf_inputs(entry):
     """NaN, +inf and -inf inputs: the value is the reference's (NaN where it is NaN),
@@ -247,6 +248,7 @@ def _reference_rejects(entry: eqxrules.Entry, x: jax.Array) -> bool:
     return False
 
 
+@pytest.mark.first_entry_quick
 @pytest.mark.parametrize("shape", [(0,), ()], ids=["empty", "scalar"])
 @pytest.mark.parametrize("entry", _shaped_entries(), ids=lambda e: e.name)
 def test_empty_and_scalar_inputs(entry, shape):

@@ -55,6 +55,7 @@ def _mismatches(fmt: str, amax: float) -> list[str]:
     return found
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("amax", AMAX)
 @pytest.mark.parametrize("fmt", list(MAX))
 def test_mx_at_the_top_of_float32_is_the_ocp_rule(fmt, amax):

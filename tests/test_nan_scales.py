@@ -29,6 +29,7 @@ def _nans(f, x=X) -> list[int]:
     return [int(jnp.isnan(g(x)).sum()) for g in (f, jax.jit(f))]
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_nan_reaches_every_scale_it_enters(name):
     q, want = CASES[name]
@@ -42,6 +43,7 @@ def test_a_nan_in_x_spoils_every_output_of_an_fp8_product():
     assert bool(jnp.isnan(y).all())
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_planted_plain_max_is_caught(monkeypatch):
     """On the CPU, whose `max` drops the NaN (a GPU's keeps it: there a plain
     `jnp.max` is no defect, and the plant runs on the CPU all the same, which

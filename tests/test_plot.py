@@ -14,6 +14,7 @@ from eqxrules import _plot
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_plots_render_for_each_kind_of_rule(tmp_path):
     # Elementwise and stochastic (a key); not elementwise (a 1-D slice).
     names = ["stochastic_round", "straight_through_onehot"]

@@ -228,6 +228,7 @@ def test_a_model_with_nothing_to_quantise_says_what_it_lacks():
 # 4. The block errors.
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_a_ragged_batch_is_padded_and_a_feature_dimension_still_raises():
     """A batch of 10 (no block of 32 divides it) differentiates, as one call on
     the batch or vmapped with the layers' `axis_name` naming the `vmap`, as the

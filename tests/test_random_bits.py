@@ -130,6 +130,7 @@ def key_after_hashing(key, shape):
     return _mix(_mix(jax.lax.iota(U32, math.prod(shape)).reshape(shape))) ^ s
 
 
+@pytest.mark.first_case_quick
 # Bit for bit.
 @pytest.mark.parametrize("shape", [(), (1,), (5, 7), (3, 4, 33), (2, 1, 1024)])
 @pytest.mark.parametrize("seed", [0, 1, 2**31 + 5])

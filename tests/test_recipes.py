@@ -182,6 +182,7 @@ def _grads(f, model):
     return jtu.tree_leaves(eqx.filter_grad(lambda m: jnp.sum(f(m) ** 2))(model))
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_quantize_with_a_recipe_is_quantized_dot_on_the_batch():
     """With `axis_name` naming the `vmap` over the batch, each layer computes as
     `quantized_dot` on the whole batch."""

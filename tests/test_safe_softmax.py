@@ -124,6 +124,7 @@ def test_softmax_axis_none_and_tuple_and_where_none():
     assert finite_zero(jax.jacrev(eqxrules.safe_softmax)(X[2]))
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_attention_with_fully_masked_rows():
     """Attention of 3 queries over 4 keys, the last two keys padding and the last
     query padding too (its row fully masked): finite outputs and gradients in
@@ -152,6 +153,7 @@ def test_attention_with_fully_masked_rows():
     assert np.all(np.isnan(np.asarray(plain[2])))
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_masked_out_entries_change_nothing():
     """A NaN or inf at a masked-out entry changes no value and no derivative, in
     either mode (its tangent is selected away, not multiplied by 0)."""
@@ -214,6 +216,7 @@ def test_logsumexp_is_minus_inf_with_zero_derivatives_on_empty_rows(jit):
     assert np.all(np.isnan(np.asarray(plain)[2]))
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_logsumexp_far_from_one():
     """Entries near 1e30 and -1e30: JAX's value, and the softmax as derivative,
     where `exp(x - ℓ)` (the planted control) is 1 for every entry that rounds to

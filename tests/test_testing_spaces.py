@@ -60,6 +60,7 @@ _Q, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(0), (3, 3)))
 A = _symmetric((_Q * jnp.array([0.5, 1.25, 2.0])) @ _Q.T)
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_a_matrix_function_on_spd_inputs_is_checked_along_symmetric_tangents():
     kw = dict(forward=_reference, derivative=_reference, tangent_space=_symmetric)
     report = check_rule(_sqrtm(False), A, **kw)

@@ -122,6 +122,7 @@ class CrossEntropy(eqxrules.JVPRule):
         return self.reference_forward(logits, labels)
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_integer_labels_are_inputs_held_as_they_are():
     result = verify_rule(CrossEntropy)
     assert result.passed, result

@@ -152,6 +152,7 @@ class _WrongWeightGradient(FixedPoint):
         return (w,), {"W": grads["W"].T}
 
 
+@pytest.mark.slow  # the quick tier's 4 minutes
 def test_an_implicit_layer_is_verified_weight_included():
     result = verify_rule(FixedPoint)
     assert result.passed, result
