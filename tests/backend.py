@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqxrules._rules._formats import divide
+
 F32 = np.float32
 TINY = np.finfo(F32).tiny
 # The most a backend's float32 quotient may be from the correctly rounded one, in
@@ -56,7 +58,9 @@ def ftz(a) -> np.ndarray:
         return np.where(np.abs(a) < TINY, a * F32(0), a).astype(F32)
 
 
-_divide = jax.jit(jnp.divide)
+# The rules' own division (`_formats.divide`: its divisor depends on `a`, so XLA
+# divides and does not multiply by a reciprocal).
+_divide = jax.jit(divide)
 
 
 def _ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -71,11 +75,10 @@ def _ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
 
 
 def quotient(a, b) -> np.ndarray:
-    """`a / b` in float32 as the backend divides (`jnp.divide` of both operands as
-    arrays, so that XLA divides and does not multiply by a reciprocal), checked
-    against NumPy's correctly rounded quotient: equal on the CPU, within
-    `OTHER_DIVISION_ULPS` elsewhere (each after `ftz`: a flushed quotient is 0 on
-    both sides)."""
+    """`a / b` in float32 as the backend divides, which the rules do
+    (`_formats.divide`), checked against NumPy's correctly rounded quotient:
+    equal on the CPU, within `OTHER_DIVISION_ULPS` elsewhere (each after `ftz`: a
+    flushed quotient is 0 on both sides)."""
     a, b = np.broadcast_arrays(np.asarray(a, F32), np.asarray(b, F32))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         exact = ftz(a / b)

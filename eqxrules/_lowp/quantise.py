@@ -409,24 +409,18 @@ def _segments(
 ) -> tuple[Array, Array | None]:
     """Each segment of rows along `operand.segmented` (consecutive, of lengths
     `sizes`) its own tensor (`segment_layout`), quantised, and put back in place
-    (`put_back`). Where `q` keeps nothing per tensor and draws nothing
-    (`_within_rows`), each block's result is its own: with no block along the
-    rows `v` is quantised in place, and with blocks along them (the weight
-    gradient's) the segments packed, each from a whole block (`ops.packed`);
-    either way without the `[groups, P, ...]` layout (`g` times `v`'s bytes), the
-    values the same."""
+    (`put_back`). Where each block of `q` is quantised from itself alone
+    (`_own_blocks`), the values are the same without the `[groups, P, ...]`
+    layout (`g` times `v`'s bytes): with no block along the rows `v` is quantised
+    in place; with blocks of a fixed length along them (the weight gradient's),
+    on the segments packed, each from a whole block (`ops.packed`)."""
     whole = operand._replace(segmented=None)
     dim = operand.segmented
     assert dim is not None
-    if dim not in operand.blocked and _within_rows(q, v, whole, key, where):
+    own, fixed = _own_blocks(q, v, whole, key, where, dim)
+    if own and dim not in operand.blocked:
         return along(q, v, whole, key, where)
-    if (
-        operand.blocked == (dim,)
-        and _within_rows(q, v, whole, key, where)
-        and _fixed_blocks(q, v, whole, where)
-    ):
-        # Blocks along the rows, each within its segment: the segments packed
-        # (`ops.packed`), quantised there in place.
+    if own and fixed and operand.blocked == (dim,):
         rows, back = ops.packed(v, dim, sizes, block_of(q))
         value, scale = along(q, rows, whole, key, where)
         assert scale is None
@@ -442,30 +436,25 @@ def _segments(
     return put_back(value, scale, back)
 
 
-def _within_rows(q: Any, v: Array, whole: Operand, key: Any, where: Where) -> bool:
-    """Whether `q`, its blocks along `whole.blocked`, quantises each block of `v`
-    from that block alone: a `LowPrecision` quantiser whose encoding has no
-    tensor scale (its `Encoded.tensor` is `None`, read from its shapes), drawing
-    no random bits (no `key`: a segment's draws are its own)."""
+def _own_blocks(
+    q: Any, v: Array, whole: Operand, key: Any, where: Where, dim: int
+) -> tuple[bool, bool]:
+    """`(own, fixed)`, read from the shapes of `q`'s encoding of `v` (its blocks
+    along `whole.blocked`): `own`, each block quantised from itself alone (a
+    `LowPrecision` quantiser with no tensor scale, `Encoded.tensor` `None`, and
+    no `key`: a segment's draws are its own); `fixed`, its blocks along `dim`
+    `block_of(q)` long whatever that length (one scale per block there; not a
+    row-wise quantiser's, one block the whole axis; no scales: each element
+    alone), so that a block from a multiple of it stays within one segment."""
     if key is not None:
-        return False
+        return False, False
     fitted, prepared, _ = _fit(q, v, whole, where)
     if not isinstance(fitted, LowPrecision):
-        return False
-    encoded = jax.eval_shape(lambda u: fitted.encode(u), prepared)
-    return encoded.tensor is None
-
-
-def _fixed_blocks(q: Any, v: Array, whole: Operand, where: Where) -> bool:
-    """Whether `q`'s blocks along the rows of `v` are `block_of(q)` rows each
-    whatever their number (read from its scales' shape: one per block along
-    axis 0), so that a block from a multiple of it stays within one segment: not
-    a row-wise quantiser's (`RowFloatQuantize`: one block the whole axis). No
-    scales at all: each element alone."""
-    fitted, prepared, _ = _fit(q, v, whole, where)
-    assert isinstance(fitted, LowPrecision)  # `_within_rows` holds
-    scales = jax.eval_shape(lambda u: fitted.encode(u), prepared).scales
-    return scales is None or scales.shape[0] * block_of(q) == prepared.shape[0]
+        return False, False
+    e = jax.eval_shape(lambda u: fitted.encode(u), prepared)
+    length = prepared.shape[dim]
+    fixed = e.scales is None or e.scales.shape[dim] * block_of(q) == length
+    return e.tensor is None, fixed
 
 
 def segment_layout(
