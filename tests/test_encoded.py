@@ -8,15 +8,17 @@ such that
   codes in a byte, FP4 codes in half of one, MX exponents in an `int8`, NVFP4's
   scales in E4M3;
 - `payload` is exactly representable in bfloat16 (so in TF32), and times the
-  tensor scale it is the value within one more rounding; or, for a quantiser
+  tensor scale (`e.tensor`, which the payload itself does not read: a ragged
+  product's residuals take every group's payload at once) it is the value within
+  one more rounding; or, for a quantiser
   whose scales are float32 per block (`exact_payload` false: `BlockFloatQuantize`),
   the value itself, bit for bit, with no tensor scale.
 
 On every example of `FloatQuantize`, `MXQuantize`, `NVFP4Quantize`,
 `BlockFloatQuantize` and `RowFloatQuantize` in the catalogue, on random data, a
 NaN, zeros and bfloat16 input. Planted beside them: a payload with the tensor scale
-left in (not exact in bfloat16), a storage dtype too narrow for the codes, and
-a quantiser with float32 block scales that claims an exact payload.
+left in (not exact in bfloat16, and reading it), a storage dtype too narrow for the
+codes, and a quantiser with float32 block scales that claims an exact payload.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ def _problems(q, payload=None, storage=None, exact=None) -> list[str]:
         ):
             out.append(f"{name}: the stored parts are not the parts")
         p, t = payload(e, x)
+        if t is not e.tensor:
+            out.append(f"{name}: the payload's tensor scale is not `e.tensor`")
+        alone, _ = payload(e._replace(tensor=None), x)
+        if not np.array_equal(alone, p, equal_nan=True):
+            out.append(f"{name}: the payload reads the tensor scale")
         p = np.asarray(p, np.float32)
         # The value before its cast to the input's dtype.
         v = np.asarray(q.decode(e, jax.ShapeDtypeStruct(x.shape, jnp.float32)))
@@ -131,9 +138,12 @@ def test_planted_payload_with_its_tensor_scale_is_caught():
     q = eqxrules.FloatQuantize(scale="amax")
 
     def scaled(e, like):
-        return e.codes * e.tensor, None
+        return e.codes * (1.0 if e.tensor is None else e.tensor), None
 
-    assert any("not exact in bfloat16" in p for p in _problems(q, payload=scaled))
+    problems = _problems(q, payload=scaled)
+    assert any("not exact in bfloat16" in p for p in problems)
+    assert any("reads the tensor scale" in p for p in problems)
+    assert any("tensor scale is not `e.tensor`" in p for p in problems)
 
 
 def test_planted_storage_too_narrow_is_caught():

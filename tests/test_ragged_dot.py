@@ -27,7 +27,7 @@ from lowp_helpers import gamma
 
 import eqxrules
 from eqxrules import recipes
-from eqxrules._lowp import ops, quantise
+from eqxrules._lowp import quantise, segments
 
 KEY = jax.random.key(3)
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -206,12 +206,12 @@ def planted(fresh_products):
 
 @pytest.mark.slow
 def test_planted_packed_segments_off_their_blocks_are_caught(planted):
-    """The packed layout of the weight gradient's rows (`ops.packed`, a block
+    """The packed layout of the weight gradient's rows (`segments.packed`, a block
     quantiser keeping nothing per tensor) with each group from any row, not from
     a multiple of the block: a block then straddles two groups."""
-    honest = ops.packed
+    honest = segments.packed
     planted.setattr(
-        ops, "packed", lambda v, dim, sizes, multiple: honest(v, dim, sizes, 1)
+        segments, "packed", lambda v, dim, sizes, multiple: honest(v, dim, sizes, 1)
     )
     floor = recipes.MXFP8(scale_rounding="floor")
     assert "drhs" in _failures(floor, SIZES["uneven"])
@@ -221,7 +221,7 @@ def test_planted_packed_segments_off_their_blocks_are_caught(planted):
 def test_planted_blocks_straddling_two_groups_are_caught(planted):
     """The weight gradient's rows blocked along the whole `lhs` (groups not laid
     out each from row 0)."""
-    honest = ops.segment
+    honest = segments.segment
 
     def straddling(v, dim, sizes, multiple):
         per, back = honest(v, dim, sizes, multiple)
@@ -234,7 +234,7 @@ def test_planted_blocks_straddling_two_groups_are_caught(planted):
         shifted = jnp.where(mask.reshape(-1, 1, *(1,) * (v.ndim - 1)), flat[None], per)
         return shifted, back
 
-    planted.setattr(ops, "segment", straddling)
+    planted.setattr(segments, "segment", straddling)
     # The OCP floor rule: mxfp8()'s scales, rounded up, saturate nothing, so which
     # block a row lands in hardly moves its value (the defect went unseen).
     floor = recipes.MXFP8(scale_rounding="floor")
@@ -257,12 +257,12 @@ def test_planted_scale_shared_by_all_groups_is_caught(planted):
 
 @pytest.mark.slow
 def test_planted_group_offsets_off_by_one_are_caught(planted):
-    honest = ops.segment
+    honest = segments.segment
 
     def shifted(v, dim, sizes, multiple):
         return honest(v, dim, jnp.maximum(sizes - 1, 0).at[0].add(1), multiple)
 
-    planted.setattr(ops, "segment", shifted)
+    planted.setattr(segments, "segment", shifted)
     assert _failures(RECIPES["mxfp8"], SIZES["uneven"]) != {}
 
 

@@ -174,67 +174,6 @@ def unflatten(f: Array, dims: Sequence[int], like_shape: Sequence[int]) -> Array
     return jnp.moveaxis(f.reshape(shape), tuple(range(len(dims))), tuple(dims))
 
 
-def segment(v: Array, dim: int, sizes: Array, multiple: int):
-    """`v`'s segments of rows along `dim`, each laid out from row 0 and padded with
-    zeros: `[groups, P, ...]` with the rows first (`P` the length of `dim` rounded
-    up to `multiple`); and the function that puts such a layout back in place.
-    (Rows past every segment come back as some row of the last: a ragged
-    product reads none of them.)"""
-    rows = jnp.moveaxis(v, dim, 0)
-    m = rows.shape[0]
-    length = -(-m // multiple) * multiple
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    local = jnp.arange(length)
-    index = starts[:, None] + local[None, :]
-    valid = local[None, :] < sizes[:, None]
-    taken = jnp.take(rows, jnp.clip(index, 0, m - 1), axis=0)
-    mask = valid.reshape(*valid.shape, *(1,) * (rows.ndim - 1))
-    per = jnp.where(mask, taken, jnp.zeros((), taken.dtype))
-
-    def back(layout: Array) -> Array:
-        r = jnp.arange(m)
-        group = jnp.clip(jnp.searchsorted(ends, r, side="right"), 0, len(sizes) - 1)
-        out = layout[group, jnp.clip(r - starts[group], 0, length - 1)]
-        return jnp.moveaxis(out, 0, dim)
-
-    return per, back
-
-
-def packed(v: Array, dim: int, sizes: Array, multiple: int):
-    r"""`v`'s segments of rows along `dim` packed one after another, each from a
-    row that is a multiple of `multiple` (the rows before it zeros): `[L, ...]`
-    with the rows first, $L = m + g(M - 1)$ rounded up to $M$ = `multiple`
-    (enough for any sizes: $\sum_i \lceil s_i / M \rceil M \le m + g(M - 1)$);
-    and the function that puts such a layout back in place. A block of `multiple`
-    rows from a multiple of it then lies within one segment and its zeros, as in
-    `segment`'s `[groups, P, ...]` layout, in `1 + g(M - 1)/m` of `v`'s bytes, not
-    `g` times. (Rows past every segment come back as some row: a ragged product
-    reads none of them.)"""
-    rows = jnp.moveaxis(v, dim, 0)
-    m, g = rows.shape[0], sizes.shape[0]
-    length = -(-(m + g * (multiple - 1)) // multiple) * multiple
-    padded = -(-sizes // multiple) * multiple
-    offsets = jnp.cumsum(padded) - padded
-    starts = jnp.cumsum(sizes) - sizes
-    position = jnp.arange(length)
-    group = jnp.searchsorted(jnp.cumsum(padded), position, side="right")
-    clipped = jnp.clip(group, 0, g - 1)
-    local = position - offsets[clipped]
-    valid = (group < g) & (local < sizes[clipped])
-    taken = jnp.take(rows, jnp.clip(starts[clipped] + local, 0, m - 1), axis=0)
-    mask = valid.reshape(-1, *(1,) * (rows.ndim - 1))
-    out = jnp.where(mask, taken, jnp.zeros((), taken.dtype))
-
-    def back(layout: Array) -> Array:
-        r = jnp.arange(m)
-        own = jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), r, side="right"), 0, g - 1)
-        place = jnp.clip(offsets[own] + r - starts[own], 0, length - 1)
-        return jnp.moveaxis(jnp.take(layout, place, axis=0), 0, dim)
-
-    return out, back
-
-
 class DotGeneral(Op):
     """`lax.dot_general(x, y, dimension_numbers)` with float32 output, transposed
     by `permutation` if given; `(x, y)` is `(a, b)`, or `(b, a)` if `swap` (as

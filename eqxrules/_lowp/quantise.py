@@ -43,7 +43,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._rules._encoded import LowPrecision
 from .._rules.blocks import BlockQuantizer
-from . import ops
+from . import ops, segments
 from .hadamard import random_signs, rotate
 from .ops import Op, Operand, flatten, unflatten
 from .recipes import Product
@@ -413,7 +413,7 @@ def _segments(
     (`_own_blocks`), the values are the same without the `[groups, P, ...]`
     layout (`g` times `v`'s bytes): with no block along the rows `v` is quantised
     in place; with blocks of a fixed length along them (the weight gradient's),
-    on the segments packed, each from a whole block (`ops.packed`)."""
+    on the segments packed, each from a whole block (`segments.packed`)."""
     whole = operand._replace(segmented=None)
     dim = operand.segmented
     assert dim is not None
@@ -421,7 +421,7 @@ def _segments(
     if own and dim not in operand.blocked:
         return along(q, v, whole, key, where)
     if own and fixed and operand.blocked == (dim,):
-        rows, back = ops.packed(v, dim, sizes, block_of(q))
+        rows, back = segments.packed(v, dim, sizes, block_of(q))
         value, scale = along(q, rows, whole, key, where)
         assert scale is None
         return back(value), None
@@ -463,12 +463,12 @@ def segment_layout(
     """Each segment of rows of `v` along `operand.segmented` laid out from row 0
     and padded with zeros to a multiple of `q`'s block (where its blocks run along
     the rows), `[groups, P, ...]`; the function that puts such a layout back in
-    place (`ops.segment`: rows past the segments, which a ragged product reads
+    place (`segments.segment`: rows past the segments, which a ragged product reads
     not, come back as some row of the last); and one group's geometry."""
     dim = operand.segmented
     assert dim is not None
     along_rows = dim in operand.blocked
-    per, back = ops.segment(v, dim, sizes, block_of(q) if along_rows else 1)
+    per, back = segments.segment(v, dim, sizes, block_of(q) if along_rows else 1)
     inner = Operand(
         tuple(0 if d == dim else d + (d < dim) for d in operand.blocked),
         tuple(d + (d < dim) for d in operand.paired),

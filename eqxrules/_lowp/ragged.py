@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from . import ops
+from . import segments
 from .dot import check_call, run
 from .ops import DotGeneral, Flat, Join, Op, Operand, pad_axis
 from .recipes import Recipe
@@ -57,7 +57,7 @@ class RaggedDot(Op):
             # Each group's rows from row 0, padded with zeros to the block: the
             # padding stays in each group's contraction, `[g, P, k]ᵀ [g, P, n]`.
             def per_group(v: Array, extras: tuple[Array, ...]) -> Array:
-                return ops.segment(v, 0, extras[0], multiple)[0]
+                return segments.segment(v, 0, extras[0], multiple)[0]
 
             op = DotGeneral(
                 (((1,), (1,)), ((0,), (0,))), (3, 3), independent=True, name=self.name

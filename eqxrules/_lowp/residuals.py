@@ -52,7 +52,7 @@ from jaxtyping import Array
 
 from .._rules._encoded import Encoded, LowPrecision
 from .._tangents import _cotangent_like, _vary, varying_axes
-from . import ops, quantise
+from . import quantise, segments
 from .core import product
 from .ops import Op
 from .quantise import (
@@ -289,7 +289,9 @@ def _grouped(
         return fitted.encode(rows, key=k)
 
     in_axes = (0, 0 if group_keys is not None else None)
-    e = fitted.stored(jax.vmap(one, in_axes=in_axes)(per, group_keys))
+    # Packed before `stored`: a gather of the float32 codes (exact values of
+    # their format), not of 8-bit ones, which XLA's CPU gathers through float16.
+    e = jax.vmap(one, in_axes=in_axes)(per, group_keys)
     g, length = per.shape[:2]
     codes = e.codes.reshape(g, length, -1)
     per_scale = 1 if e.scales is None else length // e.scales.shape[1]
@@ -312,6 +314,7 @@ def _grouped(
         ),
         e.tensor,
     )
+    parts = fitted.stored(parts)
     return Saved(parts, fitted, tuple(per.shape[1:]), restore, _exact(q), groups)
 
 
@@ -344,7 +347,7 @@ def _pack(layout: Array, counts: Array, total: int) -> Array:
     g, length = layout.shape[:2]
     ends = jnp.cumsum(counts)
     j = jnp.arange(total)
-    group = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, g - 1)
+    group = segments.group_of(ends, j)
     local = jnp.clip(j - (ends - counts)[group], 0, length - 1)
     return layout[group, local]
 
@@ -377,6 +380,8 @@ def loaded(s: Saved, extras: tuple[Array, ...]) -> Quantised:
         value, scale = s.quantiser.payload(e, like)
         return Quantised(_restore(value, s.restore), scale, s.exact)
     groups, sizes = s.groups, extras[0]
+    if groups.segments is not None and groups.multiple == groups.per_scale == 1:
+        return _in_place(s, sizes)
     g, length = sizes.shape[0], s.shape[0]
     codes = _unpack(s.parts.codes, _entries(sizes, groups.multiple, 1), length)
     scales = s.parts.scales
@@ -392,7 +397,7 @@ def loaded(s: Saved, extras: tuple[Array, ...]) -> Quantised:
     value = jax.vmap(lambda v: _restore(v, s.restore))(value)
     if groups.segments is not None:  # as `quantise._segments`
         dim, shape = groups.segments
-        back = ops.segment(jnp.zeros(shape, jnp.float32), dim, sizes, length)[1]
+        back = segments.segment(jnp.zeros(shape, jnp.float32), dim, sizes, length)[1]
         value, scale = put_back(value, scale, back)
     else:  # as `quantise._slices`
         scale = _along_dim(scale, 0, value.ndim)
@@ -400,3 +405,27 @@ def loaded(s: Saved, extras: tuple[Array, ...]) -> Quantised:
     if scale is None:
         return Quantised(value, None, s.exact)
     return Quantised(value * scale, None, False)
+
+
+def _in_place(s: Saved, sizes: Array) -> Quantised:
+    """`loaded` where a group keeps each of its rows' codes and scales (no rows
+    rounded up, a scale per row or none: `Groups.multiple` and `per_scale` 1): the
+    packed parts are then the rows' own, in the rows' order (`_pack` takes row
+    $r$ of group $i$ from entry $r - o_i$ of its layout; rows past every group
+    read the last group's zeros), so `_unpack` and `put_back` together are the
+    identity on them. The same values, bit for bit, without the `[g, P, ...]`
+    layout; each row times its group's tensor scale (`LowPrecision.payload`'s
+    `t`, the group's `Encoded.tensor`)."""
+    groups = s.groups
+    assert groups is not None and groups.segments is not None
+    dim, _ = groups.segments
+    parts = s.parts
+    stored = Encoded(parts.codes.reshape(groups.codes), parts.scales, None)
+    like = jax.ShapeDtypeStruct(s.shape, _F32)
+    value, _ = s.quantiser.payload(s.quantiser.restored(stored), like)
+    value = jnp.moveaxis(_restore(value, s.restore), 0, dim)
+    if parts.tensor is None:
+        return Quantised(value, None, s.exact)
+    rows = segments.group_of(jnp.cumsum(sizes), jnp.arange(value.shape[dim]))
+    shape = (1,) * dim + (-1,) + (1,) * (value.ndim - dim - 1)
+    return Quantised(value * parts.tensor[rows].reshape(shape), None, False)

@@ -90,7 +90,9 @@ class LowPrecision(eqx.Module):
     def payload(self, e: Encoded, like: Any) -> tuple[Array, Array | None]:
         """`(p, t)`: float32 `p` of `like`'s shape, exactly representable in
         bfloat16 (where `exact_payload`; else the value), and the tensor scale `t`
-        (`None` for 1), with `t · p` the value to within one rounding."""
+        (`e.tensor`: `None` for 1), with `t · p` the value to within one rounding.
+        `p` reads no `e.tensor` (a ragged product's residuals take `p` for every
+        group's rows at once and each row's own group's `t`)."""
 
     @abc.abstractmethod
     def storage(self) -> tuple[Any, Any]:
