@@ -24,7 +24,7 @@ import pytest
 from block_references import block_float, cases, mismatches, nvfp4, pow2
 
 import eqxrules
-from eqxrules._rules import blocks, nvfp4 as nvfp4_module
+from eqxrules._rules import blocks, fine_grained, nvfp4 as nvfp4_module
 
 
 @pytest.fixture
@@ -68,9 +68,8 @@ def test_block_float_in_bfloat16_equals_the_numpy_rule():
 
 def test_planted_tiles_along_the_wrong_axis_are_caught(retraced):
     """The defect: each scale taken over the tiles' index along the blocked axis
-    (across tiles) instead of within a tile, where the quantiser takes its
-    tiles' amax (`blocks.block_amax`; the NumPy rule reads its own axes)."""
-    retraced.setattr(blocks, "_within", lambda axis, ndim: (axis % ndim,))
+    (across tiles) instead of within a tile."""
+    retraced.setattr(fine_grained, "_within", lambda axis, ndim: (axis % ndim,))
     assert _block_float_mismatches("e4m3", 16, -1) != {}
 
 

@@ -253,46 +253,15 @@ def round_with(fmt: Format, y: Array, bits: Array | None) -> Array:
     return round_to(fmt, y) if bits is None else stochastic_round_to(fmt, y, bits)
 
 
-def magnitude(v: Array) -> Array:
-    r"""$\lvert v \rvert$ of a float32 `v` as the int32 of its bits (the sign bit
-    cleared): what `peak` reduces. Non-negative floats order as their bits do, and
-    a NaN's bits lie above $+\infty$'s, so an integer `max` of them is the largest
-    magnitude, $+\infty$ where there is one and NaN where there is a NaN, with no
-    float `max` to drop the NaN (XLA's CPU reductions drop a NaN from a float
-    `max` of 4096 elements or more, from jaxlib 0.10 at least: the scale of the
-    other elements would follow, and a NaN reach one output element where the
-    scale is to make the whole tensor NaN). Computed on an operand in its own
-    layout, it is one array however many block layouts reduce it."""
-    return jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-
-
-def peak(
-    m: Array,
-    axis: int | tuple[int, ...] | None = None,
-    keepdims: bool = False,
-    axis_name: Any = None,
-) -> Array:
-    r"""The largest of the magnitudes `m` (`magnitude`'s) over `axis`, and over the
-    named mapped axes `axis_name` too (`lax.pmax` of the bits), as float32: 0 for
-    none, NaN where any element is NaN, else $+\infty$ where any is infinite. One
-    reduction (and one all-reduce), where a float `max` beside a test for NaN is
-    two of each."""
-    top = jnp.max(m, axis=axis, keepdims=keepdims, initial=0)
-    if axis_name is not None:
-        top = jax.lax.pmax(top, axis_name)
-    return jax.lax.bitcast_convert_type(top, jnp.float32)
-
-
-def amax(
-    v: Array,
-    axis: int | tuple[int, ...] | None = None,
-    keepdims: bool = False,
-    axis_name: Any = None,
-) -> Array:
-    """The largest magnitude of `v` over `axis` (and `axis_name`), 0 for none,
-    NaN where any element is NaN, else $+\\infty$ where any is infinite (`peak`
-    of `magnitude`)."""
-    return peak(magnitude(v), axis, keepdims, axis_name)
+def amax(v: Array, axis: int | tuple[int, ...] | None = None, keepdims: bool = False):
+    """The largest magnitude of `v` over `axis` (0 for none), NaN where any
+    element is NaN. (XLA's CPU reductions drop a NaN from a `max` of 4096
+    elements or more, from jaxlib 0.10 at least: `jnp.max` alone would give the
+    scale of the other elements, and a NaN would reach one output element where
+    the scale is to make the whole tensor NaN.)"""
+    m = jnp.max(jnp.abs(v), axis=axis, keepdims=keepdims, initial=0.0)
+    nan = jnp.any(jnp.isnan(v), axis=axis, keepdims=keepdims)
+    return jnp.where(nan, jnp.nan, m)
 
 
 def reference_amax(v: Array, axis: Any = None, keepdims: bool = False) -> Array:

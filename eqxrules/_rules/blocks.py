@@ -23,10 +23,9 @@ from .._inputs import check_axis, check_float_array
 from ._encoded import Encoded, LowPrecision, code_dtype
 from ._formats import (
     FORMATS,
+    amax,
     exponent,
     extremes,
-    magnitude,
-    peak,
     pow2,
     reference_amax,
     reference_round_with,
@@ -60,14 +59,6 @@ def _to_blocks(x: Array, axis: int | tuple[int, int], size: int) -> Array:
         i = a + j  # the axes blocked before `a` each became two
         x = x.reshape(x.shape[:i] + (x.shape[i] // size, size) + x.shape[i + 1 :])
     return x
-
-
-def block_amax(w: Array, axis: int | tuple[int, int], size: int) -> Array:
-    """Each block's `amax` (NaN for a block with a NaN or an infinity), one per
-    block in `_to_blocks`' layout (its within-block axes kept, of length 1): the
-    magnitudes taken on `w` in its own layout, then blocked (`magnitude`)."""
-    m = _to_blocks(magnitude(w), axis, size)
-    return peak(m, axis=_within(axis, w.ndim), keepdims=True)
 
 
 def _within(axis: int | tuple[int, int], ndim: int) -> tuple[int, ...]:
@@ -240,9 +231,8 @@ def pow2_encode(
     the significand of $a$ exceeds that of $M$, exactly); $k$ is $-128$ for a
     block with a NaN or an infinity."""
     fmt = FORMATS[fmt_name]
-    w = x.astype(_F32)
-    b = _to_blocks(w, axis, size)
-    top = block_amax(w, axis, size)
+    b = _to_blocks(x.astype(_F32), axis, size)
+    top = amax(b, axis=_within(axis, x.ndim), keepdims=True)
     k = exponent(top) - fmt.emax
     if rounding == "ceil":
         k = k + (_significand(top) > _significand(fmt.max))

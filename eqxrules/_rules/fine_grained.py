@@ -17,6 +17,7 @@ from .._hyper import at_least, axis_index, fixed, hyperparameter, integer
 from ._encoded import Encoded, code_dtype
 from ._formats import (
     FORMATS,
+    amax,
     divide,
     reference_amax,
     reference_round_with,
@@ -28,7 +29,6 @@ from .blocks import (
     _from_blocks,
     _to_blocks,
     _within,
-    block_amax,
     pow2_decode,
     pow2_encode,
     pow2_reference,
@@ -116,9 +116,8 @@ class BlockFloatQuantize(_Encoding):
 
     def _encode(self, x: Array, bits: Array | None) -> Encoded:
         fmt = FORMATS[self.format]
-        w = x.astype(_F32)
-        b = _to_blocks(w, self.axis, self.block_size)
-        top = block_amax(w, self.axis, self.block_size)
+        b = _to_blocks(x.astype(_F32), self.axis, self.block_size)
+        top = amax(b, axis=_within(self.axis, x.ndim), keepdims=True)
         s = jnp.maximum(divide(top, fmt.max), _SMALLEST_NORMAL)
         finite = jnp.isfinite(top)
         s = jnp.where(finite, s, jnp.nan)

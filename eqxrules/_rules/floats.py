@@ -226,7 +226,7 @@ class FloatQuantize(LowPrecision, Rounded, _Elementwise):
         """$s$ for the float32 `w`: `scale`, or with `"amax"` the array's own."""
         if self.scale != "amax":
             return float(self.scale)
-        a = amax(w, axis_name=self.axis_name)
+        a = span(amax(w), self.axis_name)
         s = jnp.maximum(divide(a, FORMATS[self.format].max), _SMALLEST_NORMAL)
         return jnp.where(jnp.isinf(a), jnp.nan, s)
 

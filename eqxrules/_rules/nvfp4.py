@@ -25,7 +25,7 @@ from ._formats import (
     round_with,
 )
 from ._rounding import rounding_mode
-from .blocks import _Encoding, _from_blocks, _to_blocks, _within, block_amax
+from .blocks import _Encoding, _from_blocks, _to_blocks, _within
 from .floats import _F32, pair_of_axes, span
 
 _E4M3, _E2M1 = FORMATS["e4m3"], FORMATS["e2m1"]
@@ -127,10 +127,10 @@ class NVFP4Quantize(_Encoding):
 
     def _encode(self, x: Array, bits: Array | None) -> Encoded:
         w = x.astype(_F32)
-        t = divide(amax(w, axis_name=self.axis_name), _ROOM[self.four_over_six] * 6)
+        t = divide(span(amax(w), self.axis_name), _ROOM[self.four_over_six] * 6)
         b = _to_blocks(w, self.axis, self.block_size)
         inner = _within(self.axis, w.ndim)
-        a = block_amax(w, self.axis, self.block_size)
+        a = jnp.max(jnp.abs(b), axis=inner, keepdims=True)
 
         def scale(m: float) -> Array:
             return round_to(_E4M3, jnp.clip(divide(divide(a, m), t), 0.0, 448.0))
