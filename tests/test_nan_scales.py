@@ -37,6 +37,22 @@ def test_a_nan_reaches_every_scale_it_enters(name):
     assert _nans(q.reference_forward) == [want, want]
 
 
+SPANNING = {
+    "float_quantize amax": eqxrules.FloatQuantize(scale="amax", axis_name="b"),
+    "nvfp4_quantize": eqxrules.NVFP4Quantize(axis_name="b"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPANNING))
+def test_a_nan_in_one_example_reaches_every_examples_scale(name):
+    """A per-tensor scale spanning a named `vmap` (`axis_name`): a NaN in one
+    example's 8192 elements makes every example's output NaN."""
+    xs = jnp.stack([jnp.ones_like(X), X, jnp.ones_like(X)])
+    q = SPANNING[name]
+    for f in (jax.vmap(q, axis_name="b"), jax.jit(jax.vmap(q, axis_name="b"))):
+        assert bool(jnp.isnan(f(xs)).all()), name
+
+
 def test_a_nan_in_x_spoils_every_output_of_an_fp8_product():
     w = jnp.ones((64, 32))
     y = jax.jit(lambda x: eqxrules.quantized_dot(x, w, recipe=recipes.fp8()))(X)
@@ -64,4 +80,13 @@ def test_planted_plain_max_is_caught(monkeypatch):
             for name, (q, want) in CASES.items()
             if _nans(lambda x, q=q: q(x + 0.0), x) != [want, want]
         ]
+        xs = jnp.stack([jnp.ones_like(x), x])
+        spanned = [
+            name
+            for name, q in SPANNING.items()
+            if bool(
+                jnp.isnan(jax.vmap(lambda x, q=q: q(x + 0.0), axis_name="b")(xs)).all()
+            )
+        ]
     assert missed == list(CASES), missed
+    assert spanned == [], spanned
