@@ -161,7 +161,7 @@ MUTATIONS = [
         "block scale",
         "mx_quantize",
         BL,
-        "k = exponent(top) - fmt.emax",
+        "k = ((bits + carry) >> 23) - (127 + fmt.emax)",
         "k = jnp.ceil(jnp.log2(top)).astype(jnp.int32) - fmt.emax",
     ),
     # Drop a parameter tangent.

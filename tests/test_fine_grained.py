@@ -120,7 +120,10 @@ def test_the_ceil_rule_saturates_nothing_and_is_floor_unless_floor_saturates():
 def test_planted_scale_rounded_the_other_way_is_caught(retraced):
     """The defect: `ceil` rounding down (the floor rule's exponent, as a rule that
     forgets to round up gives it). Caught for row-wise and MX scales."""
-    retraced.setattr(blocks, "_significand", lambda v: jnp.zeros((), jnp.int32))
+    floor = blocks._scale_exponent
+    retraced.setattr(
+        blocks, "_scale_exponent", lambda top, fmt, rounding: floor(top, fmt, "floor")
+    )
     row = eqxrules.RowFloatQuantize()
     mx = eqxrules.MXQuantize(format="e4m3", block_size=16, scale_rounding="ceil")
     assert _pow2_mismatches(row, "ceil", 0) != {}

@@ -69,8 +69,12 @@ def test_planted_plain_max_is_caught(monkeypatch):
     def plain(v, axis=None, keepdims=False):
         return jnp.max(jnp.abs(v), axis=axis, keepdims=keepdims, initial=0.0)
 
+    def plain_peak(b, within):
+        top = plain(b, axis=within, keepdims=True)
+        return top, jnp.isfinite(top)
+
     monkeypatch.setattr(floats, "amax", plain)
-    monkeypatch.setattr(blocks, "amax", plain)
+    monkeypatch.setattr(blocks, "_block_peak", plain_peak)
     monkeypatch.setattr(nvfp4, "amax", plain)
     # A fresh instance of each: its jitted call traced again with the patch.
     with jax.default_device(cpu):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axis_names import check_bound
@@ -23,8 +24,6 @@ from .._inputs import check_axis, check_float_array
 from ._encoded import Encoded, LowPrecision, code_dtype
 from ._formats import (
     FORMATS,
-    amax,
-    exponent,
     extremes,
     pow2,
     reference_amax,
@@ -211,14 +210,41 @@ def _times_pow2(q: Array, k: Array) -> Array:
     r"""$q \cdot 2^k$ for integers `k` in [-127, 127], by two normal powers of two:
     $2^{-127}$ is subnormal, which XLA may flush to zero, and at the top of float32
     a finite $q \cdot 2^k$ must not pass through an infinite $q \cdot 2^{k+1}$."""
-    half = k // 2
+    half = k >> 1  # floor(k / 2): an arithmetic shift (`//` is a dozen operations)
     return q * pow2(half) * pow2(k - half)
 
 
-def _significand(v: Array | float) -> Array:
-    """The 23 fraction bits of float32 `v`, as an integer."""
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(v, _F32), jnp.int32)
-    return bits & 0x7FFFFF
+def _block_peak(b: Array, within: tuple[int, ...]) -> tuple[Array, Array]:
+    r"""Each block's largest magnitude $a$ (over the axes `within`, kept), and
+    whether the block is finite (no NaN, no infinity).
+
+    Finiteness is read from $\sum_i (b_i - b_i)$, which is $0$ for finite
+    elements and NaN as soon as one is NaN or infinite: a sum keeps a NaN
+    wherever XLA reduces it, where XLA's CPU `max` of many elements drops one
+    (`amax`), and unlike a boolean `any` it is one more vectorised reduction,
+    not a scalar loop. $a$ itself is a plain `max`: where a NaN was dropped
+    from it the block is not finite, and its $a$ is not used."""
+    top = jnp.max(jnp.abs(b), axis=within, keepdims=True, initial=0.0)
+    finite = ~jnp.isnan(jnp.sum(b - b, axis=within, keepdims=True))
+    return top, finite
+
+
+def _scale_exponent(top: Array, fmt_name: str, rounding: str) -> Array:
+    r"""The block exponent $k$ of a block of largest magnitude `top` ($a \ge 0$,
+    finite; clipped to $[-127, 127]$): `"floor"`,
+    $\lfloor \log_2 a \rfloor - e_\max$, is $a$'s biased exponent field less
+    $127 + e_\max$; `"ceil"`, $\lceil \log_2 (a / M) \rceil$, is the floor's plus
+    one where $a$'s significand exceeds $M$'s, which adding
+    $2^{23} - 1 - \mathrm{sig}(M)$ to $a$'s bits carries into the exponent
+    field exactly then (three integer operations, not seven: XLA computes a
+    block's $k$ again for each of its elements)."""
+    fmt = FORMATS[fmt_name]
+    carry = 0
+    if rounding == "ceil":
+        carry = 0x7FFFFF - (int(np.float32(fmt.max).view(np.int32)) & 0x7FFFFF)
+    bits = jax.lax.bitcast_convert_type(top, jnp.int32)
+    k = ((bits + carry) >> 23) - (127 + fmt.emax)
+    return jnp.clip(k, -127, 127)
 
 
 def pow2_encode(
@@ -232,17 +258,13 @@ def pow2_encode(
     block with a NaN or an infinity."""
     fmt = FORMATS[fmt_name]
     b = _to_blocks(x.astype(_F32), axis, size)
-    top = amax(b, axis=_within(axis, x.ndim), keepdims=True)
-    k = exponent(top) - fmt.emax
-    if rounding == "ceil":
-        k = k + (_significand(top) > _significand(fmt.max))
-    k = jnp.clip(k, -127, 127)
+    top, finite = _block_peak(b, _within(axis, x.ndim))
+    k = _scale_exponent(top, fmt_name, rounding)
     if bits is not None:
         bits = _to_blocks(bits, axis, size)
     q = round_with(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max), bits)
     # A block with a NaN or an infinity is NaN (the spec's NaN scale): its
     # exponent -128, outside the scales' range [-127, 127].
-    finite = jnp.isfinite(top)
     return Encoded(jnp.where(finite, q, 0.0), jnp.where(finite, k, _NAN_BLOCK))
 
 
