@@ -25,6 +25,7 @@ from block_references import block_float, cases, mismatches, nvfp4, pow2
 
 import eqxrules
 from eqxrules._rules import blocks, fine_grained, nvfp4 as nvfp4_module
+from eqxrules._rules._formats import FORMATS
 
 
 @pytest.fixture
@@ -75,13 +76,20 @@ def test_planted_tiles_along_the_wrong_axis_are_caught(retraced):
 
 def _pow2_mismatches(q, rule: str, size: int) -> dict[str, int]:
     """`q` against the power-of-two rule `rule` with tiles of `size` along
-    `q.axis` (a row: the whole axis)."""
+    `q.axis` (a row: the whole axis): its values, and its codes, each a value of
+    its format (a scale too small leaves the value on the grid scaled from it,
+    but its largest codes beyond the format's largest: `name codes`)."""
     out = {}
+    dtype = getattr(ml_dtypes, FORMATS[q.format].dtype)
     for name, x in cases(16).items():
         length = x.shape[q.axis] if size == 0 else size
         bad = mismatches(_run(q, x), pow2(x, q.format, length, q.axis, rule))
         if bad:
             out[name] = bad
+        codes = np.asarray(jax.jit(q.encode)(jnp.asarray(x)).codes, np.float32)
+        outside = int(np.sum(codes.astype(dtype).astype(np.float32) != codes))
+        if outside:
+            out[f"{name} codes"] = outside
     return out
 
 

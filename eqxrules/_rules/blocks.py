@@ -255,14 +255,21 @@ def pow2_encode(
     by `rounding` (`"floor"`: $\lfloor \log_2 a \rfloor - e_\max$; `"ceil"`:
     $\lceil \log_2 (a / M) \rceil$, which is the floor's exponent plus one where
     the significand of $a$ exceeds that of $M$, exactly); $k$ is $-128$ for a
-    block with a NaN or an infinity."""
+    block with a NaN or an infinity. Only the floor rule clips $b_i / 2^k$ to
+    $\pm M$: under `"ceil"` every finite $\lvert b_i \rvert \le a \le M \cdot 2^k$
+    already ($k$ is clipped at $-127$ only where $a < M \cdot 2^{-127}$, and
+    never at the top, where $k \le 120$), and a block that is not finite is
+    masked."""
     fmt = FORMATS[fmt_name]
     b = _to_blocks(x.astype(_F32), axis, size)
     top, finite = _block_peak(b, _within(axis, x.ndim))
     k = _scale_exponent(top, fmt_name, rounding)
     if bits is not None:
         bits = _to_blocks(bits, axis, size)
-    q = round_with(fmt, jnp.clip(b * pow2(-k), -fmt.max, fmt.max), bits)
+    y = b * pow2(-k)
+    if rounding == "floor":  # `"ceil"` puts every finite |y| at most M: no clip
+        y = jnp.clip(y, -fmt.max, fmt.max)
+    q = round_with(fmt, y, bits)
     # A block with a NaN or an infinity is NaN (the spec's NaN scale): its
     # exponent -128, outside the scales' range [-127, 127].
     return Encoded(jnp.where(finite, q, 0.0), jnp.where(finite, k, _NAN_BLOCK))
