@@ -37,6 +37,15 @@ def gamma(n: int, u: float) -> float:
     return n * u / (1 - n * u)
 
 
+def two_orders(magnitudes: Any, n: int) -> np.ndarray:
+    """Per output, how far two float32 sums of the same exact terms, in different
+    orders, may be apart: 2·gamma_n·S, S the sum of the terms' magnitudes, from
+    `magnitudes` (the same product of |operands|, itself within gamma_n of S),
+    and the output scale's rounding on each side: 3·gamma_n of `magnitudes`.
+    `n` is at least each output's number of terms."""
+    return 3 * gamma(n, U32) * np.abs(np.asarray(magnitudes, np.float64))
+
+
 def along(q: Any, axis: int) -> Any:
     """The public quantiser `q` with its blocks along `axis` (an elementwise one, or
     one with square blocks, as it is)."""

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lowp_helpers import gamma
+from lowp_helpers import gamma, two_orders
 from product_references import (
     CONV_CASES,
     CONV_RECIPES,
@@ -105,11 +105,10 @@ _U_BF16 = 2.0**-8
 
 def _apart(got, want, magnitudes, n) -> bool:
     """Whether `got` and `want`, two evaluations of the same exact terms, are
-    further apart than two float32 sums in different orders may be: 3·gamma_n of
-    the product of magnitudes (`_summation_bound` in `test_residuals.py`), plus,
-    for a bfloat16 output, each side's own rounding to it."""
+    further apart than two float32 sums in different orders may be
+    (`two_orders`), plus, for a bfloat16 output, each side's own rounding to it."""
     got, want = (np.asarray(v, np.float64) for v in (got, want))
-    bound = 3 * gamma(n, U32) * np.abs(np.asarray(magnitudes, np.float64))
+    bound = two_orders(magnitudes, n)
     if magnitudes.dtype == jnp.bfloat16:
         bound = bound * (1 + _U_BF16) + _U_BF16 * (np.abs(got) + np.abs(want))
     return bool(np.any(np.abs(got - want) > bound))

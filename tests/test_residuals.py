@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lowp_helpers import U32, gamma
+from lowp_helpers import two_orders
 
 import eqxrules
 from benchmarks import xla
@@ -183,15 +183,11 @@ ABS_COMMUTING = ("fp8", "mxfp8", "fp8_blockwise", "fp8_rowwise")
 
 def _summation_bound(f, x, w, ct) -> tuple:
     """Per output, how far two float32 sums of the same exact terms in different
-    orders may be apart: 2·gamma_n·S with S the sum of the terms' magnitudes, from
-    the products of |x|, |w|, |ct| (each within gamma_n of S), n every element of
-    `x` and `w` (at least each product's contraction length), and the output
-    scale's rounding on each side: 3·gamma_n of the product of magnitudes
-    covers them."""
-    g = 3 * gamma(x.size + w.size, U32)
+    orders may be apart (`two_orders`), from the products of |x|, |w|, |ct|, n
+    every element of `x` and `w` (at least each product's contraction length)."""
+    n = x.size + w.size
     return tuple(
-        g * np.abs(np.asarray(a, np.float64))
-        for a in _gradients(f, jnp.abs(x), jnp.abs(w), jnp.abs(ct))
+        two_orders(a, n) for a in _gradients(f, jnp.abs(x), jnp.abs(w), jnp.abs(ct))
     )
 
 

@@ -230,8 +230,9 @@ def _block_peak(b: Array, within: tuple[int, ...]) -> tuple[Array, Array]:
 
 
 def _scale_exponent(top: Array, fmt_name: str, rounding: str) -> Array:
-    r"""The block exponent $k$ of a block of largest magnitude `top` ($a \ge 0$,
-    finite; clipped to $[-127, 127]$): `"floor"`,
+    r"""The block exponent $k$ of a block of largest magnitude `top` ($a \ge 0$;
+    clipped to $[-127, 127]$; for a block that is not finite, some $k$ in that
+    range, which the caller masks): `"floor"`,
     $\lfloor \log_2 a \rfloor - e_\max$, is $a$'s biased exponent field less
     $127 + e_\max$; `"ceil"`, $\lceil \log_2 (a / M) \rceil$, is the floor's plus
     one where $a$'s significand exceeds $M$'s, which adding
