@@ -154,14 +154,18 @@ def vjp(recipe, x, w, dy, key=None, *, jit=False):
 def data(kind: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Test data: `random` (normal), `zeros`, `nan` (random, one NaN), `pow2` (random
     below 1, and ±4 on every 16th diagonal, so every block along either axis has its
-    largest magnitude exactly 4) or `below_pow2` (the same with the largest value one
-    float32 ulp below 4)."""
+    largest magnitude exactly 4), `below_pow2` (the same with the largest value one
+    float32 ulp below 4) or `nonfinite` (random, a NaN, a +inf and a -inf: the
+    4th element, the middle one and the 5th from the end, in row-major order)."""
     rng = np.random.default_rng(seed)
     if kind == "zeros":
         return np.zeros(shape, np.float32)
     a = rng.standard_normal(shape).astype(np.float32)
     if kind == "nan":
         a.reshape(-1)[3] = np.nan
+    elif kind == "nonfinite":
+        n = a.size
+        a.reshape(-1)[[3, n // 2, n - 5]] = [np.nan, np.inf, -np.inf]
     elif kind in ("pow2", "below_pow2"):
         a = np.clip(a / 4, -0.99, 0.99).astype(np.float32)
         top = np.float32(4.0) if kind == "pow2" else np.nextafter(np.float32(4), 0)

@@ -52,12 +52,21 @@ class Operand(NamedTuple):
         ragged product's per-group weights): quantised slice by slice.
     - `segmented`: a dimension whose rows the operation's group sizes split into
         consecutive segments, each a tensor of its own (a ragged product's rows).
+    - `whole`: every output element that reads one entry of a block along
+        `blocked` reads all of them (a contraction that sums, for each output,
+        over all of `blocked` within its slice, segment or group), so a product
+        NaN at the outputs that read a non-finite element is NaN at those that
+        read its block (`LowPrecision.encode_operand`). Not a convolution's
+        weight gradient (each output reads a window of the positions its blocks
+        run along), nor a convolution's input gradient in feature groups (a
+        block of output features may span two). `False` claims nothing.
     """
 
     blocked: _Axes
     paired: _Axes = ()
     independent: _Axes = ()
     segmented: int | None = None
+    whole: bool = False
 
 
 class Op(eqx.Module):
@@ -210,8 +219,9 @@ class DotGeneral(Op):
         (c0, c1), (b0, b1) = self.dimension_numbers
         n0, n1 = self.ndims
         i0, i1 = (tuple(b0), tuple(b1)) if self.independent else ((), ())
-        x = Operand(tuple(c0), tuple(remaining(n0, c0, b0)), i0)
-        y = Operand(tuple(c1), tuple(remaining(n1, c1, b1)), i1)
+        # Each output sums over every contracted entry of its batch index.
+        x = Operand(tuple(c0), tuple(remaining(n0, c0, b0)), i0, whole=True)
+        y = Operand(tuple(c1), tuple(remaining(n1, c1, b1)), i1, whole=True)
         return (y, x) if self.swap else (x, y)
 
     def padded_contraction(self) -> bool:
@@ -403,14 +413,26 @@ class Conv(Op):
     def operands(self) -> tuple[Operand, Operand]:
         lhs, rhs, _ = self.dimension_numbers
         # The input features; the kernel's input features, paired with its output
-        # features (square blocks), its positions neither.
-        return Operand((lhs[1],), (lhs[0], *lhs[2:])), Operand((rhs[1],), (rhs[0],))
+        # features (square blocks), its positions neither. An output reads every
+        # input feature of its feature group at each position it reads, and a
+        # block divides a group's input features (`conv.check_conv`): whole.
+        return (
+            Operand((lhs[1],), (lhs[0], *lhs[2:]), whole=True),
+            Operand((rhs[1],), (rhs[0],), whole=True),
+        )
 
     def transposed_operands(self, role: str) -> tuple[Operand, Operand]:
         lhs, rhs, out = self.dimension_numbers
         if role == "dx":  # the output features
-            return Operand((out[1],), (out[0], *out[2:])), Operand((rhs[0],), (rhs[1],))
-        # The batch and positions, each operand its own.
+            # Whole without feature groups: a block of output features may
+            # straddle two groups (a block divides their number, not a group's).
+            whole = self.feature_group_count == 1
+            return (
+                Operand((out[1],), (out[0], *out[2:]), whole=whole),
+                Operand((rhs[0],), (rhs[1],), whole=whole),
+            )
+        # The batch and positions, each operand its own; each output (a kernel
+        # position) reads a window of the positions, not whole blocks of them.
         return (
             Operand((lhs[0], *lhs[2:]), (lhs[1],)),
             Operand((out[0], *out[2:]), (out[1],)),

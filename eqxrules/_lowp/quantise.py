@@ -24,6 +24,12 @@ slice or segment $i$ draws with `fold_in(key, i)`.
 the flattened, padded contraction (`Op.flat`) with the same signs before
 quantising, leaving the unquantised product unchanged.
 
+**Non-finite elements.** Where a product reads an operand's blocks whole
+(`Operand.whole`), a `LowPrecision` quantiser gives its parts by `encode_operand`:
+`MXQuantize` then marks a NaN or an infinity NaN at its element alone, with no
+reduction over the blocks to find it; every output that reads the block reads
+that NaN, so the values are those of the block made NaN.
+
 **Named axes.** A quantiser whose scale spans a tensor (one with an `axis_name`
 field: `FloatQuantize(scale="amax")`, `NVFP4Quantize`) is given the names still
 bound as collectives (`jax.shard_map`'s), so its scale spans them with one `pmax`
@@ -41,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from .._rules._encoded import LowPrecision
+from .._rules._encoded import Encoded, LowPrecision
 from .._rules.blocks import BlockQuantizer
 from . import ops, segments
 from .hadamard import random_signs, rotate
@@ -294,12 +300,19 @@ def _exact(q: Any) -> bool:
     return isinstance(q, LowPrecision) and getattr(q, "exact_payload", True)
 
 
-def _parts(q: Any, v: Array, key: Any) -> tuple[Array, Array | None]:
-    """`(payload, tensor scale)` of `q` at `v` for a `LowPrecision` quantiser,
-    else `(q(v), None)`."""
+def _parts(q: Any, v: Array, key: Any, whole: bool) -> tuple[Array, Array | None]:
+    """`(payload, tensor scale)` of `q` at `v` for a `LowPrecision` quantiser (its
+    `encode_operand` for a product that reads blocks `whole`), else
+    `(q(v), None)`."""
     if isinstance(q, LowPrecision):
-        return q.payload(q.encode(v, key=key), v)
+        return q.payload(encoded(q, v, key, whole), v)
     return q(v, key=key), None
+
+
+def encoded(q: LowPrecision, v: Array, key: Any, whole: bool) -> Encoded:
+    """`q`'s parts of `v` as an operand of a product: `encode_operand` where the
+    product reads each block whole (`Operand.whole`), else `encode`."""
+    return q.encode_operand(v, key=key) if whole else q.encode(v, key=key)
 
 
 def _fit(q: Any, v: Array, operand: Operand, where: Where):
@@ -354,7 +367,7 @@ def along(
     padded). An elementwise `q` (per element, or one scale per tensor) takes `v`
     whole. Returns the payload (or value) and the tensor scale."""
     fitted, prepared, restore = _fit(q, v, operand, where)
-    value, scale = _parts(fitted, prepared, key)
+    value, scale = _parts(fitted, prepared, key, operand.whole)
     return _restore(value, restore), scale
 
 
@@ -365,7 +378,10 @@ def _without(operand: Operand, dim: int) -> Operand:
         return tuple(d - (d > dim) for d in dims if d != dim)
 
     return Operand(
-        drop(operand.blocked), drop(operand.paired), drop(operand.independent)
+        drop(operand.blocked),
+        drop(operand.paired),
+        drop(operand.independent),
+        whole=operand.whole,
     )
 
 
@@ -472,6 +488,7 @@ def segment_layout(
     inner = Operand(
         tuple(0 if d == dim else d + (d < dim) for d in operand.blocked),
         tuple(d + (d < dim) for d in operand.paired),
+        whole=operand.whole,
     )
     return per, back, inner
 

@@ -43,11 +43,22 @@ class RaggedDot(Op):
             # Each group's rows a tensor of their own, blocked along k; each
             # group's matrix its own, blocked along k, paired with n (square
             # blocks).
-            return Operand((1,), (), segmented=0), Operand((1,), (2,), independent=(0,))
+            # Each output reads all of k of its row and its group's matrix: whole
+            # blocks (`Operand.whole`), as in every role.
+            return (
+                Operand((1,), (), segmented=0, whole=True),
+                Operand((1,), (2,), independent=(0,), whole=True),
+            )
         if self.role == "dx":  # ȳ_i b_iᵀ: along n
-            return Operand((1,), (), segmented=0), Operand((2,), (1,), independent=(0,))
+            return (
+                Operand((1,), (), segmented=0, whole=True),
+                Operand((2,), (1,), independent=(0,), whole=True),
+            )
         # a_iᵀ ȳ_i: along group i's rows, each group's own.
-        return Operand((0,), (1,), segmented=0), Operand((0,), (1,), segmented=0)
+        return (
+            Operand((0,), (1,), segmented=0, whole=True),
+            Operand((0,), (1,), segmented=0, whole=True),
+        )
 
     def transpose(self, role: str, like: Any) -> RaggedDot:
         return RaggedDot(role, like, name=self.name)

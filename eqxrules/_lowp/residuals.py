@@ -66,6 +66,7 @@ from .quantise import (
     _prepared,
     _restore,
     _without,
+    encoded,
     keys_of,
     multiple_of,
     operand,
@@ -237,7 +238,7 @@ def saved_operand(
             u = _prepared(p, side, v, extras, keys)
             fitted, prepared, restore = _fit(q, u, geometry, where)
             assert isinstance(fitted, LowPrecision)
-            e = fitted.encode(prepared, key=keys[side])
+            e = encoded(fitted, prepared, keys[side], geometry.whole)
             shape = tuple(prepared.shape)
             return Saved(fitted.stored(e), fitted, shape, restore, _exact(fitted))
         if p.source.operands()[side].segmented is not None:
@@ -286,7 +287,7 @@ def _grouped(
     group_keys = _keys(keys[side], per.shape[0])
 
     def one(rows: Array, k: Any) -> Encoded:
-        return fitted.encode(rows, key=k)
+        return encoded(fitted, rows, k, inner.whole)
 
     in_axes = (0, 0 if group_keys is not None else None)
     # Packed before `stored`: a gather of the float32 codes (exact values of

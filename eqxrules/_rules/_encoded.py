@@ -56,6 +56,12 @@ def code_dtype(fmt: str, nan: bool = False) -> Any:
     return getattr(jnp, name, jnp.float8_e4m3fn)
 
 
+def holds_nan(fmt: str) -> bool:
+    """Whether `code_dtype(fmt)` holds a NaN code (every element format but FP4,
+    whose codes take `float4_e2m1fn`)."""
+    return code_dtype(fmt) == code_dtype(fmt, nan=True)
+
+
 class Encoded(NamedTuple):
     """A quantiser's value in parts (the module docstring): `codes` (float32
     values of the element format, in the quantiser's blocked layout), `scales` (one
@@ -80,6 +86,18 @@ class LowPrecision(eqx.Module):
     def encode(self, x: Array, *, key: PRNGKeyArray | None = None) -> Encoded:
         """The parts of this quantiser's value at `x` (drawing with `key` if it
         rounds stochastically)."""
+
+    def encode_operand(self, x: Array, *, key: PRNGKeyArray | None = None) -> Encoded:
+        """The parts of `x` as an operand of a product that reads its blocks whole
+        (`ops.Operand.whole`: every output that reads one element of a block reads
+        all of them). They may differ from `encode`'s in a block with a NaN or an
+        infinity, and only there: such a block's non-finite elements NaN codes,
+        its other elements any codes (`MXQuantize`: no reduction over the block
+        to find it). `payload` of them is NaN at those elements, so the product
+        is NaN at every output that reads the block, as with `encode`'s parts,
+        and bit for bit the same elsewhere. `encode` unless a quantiser says
+        otherwise."""
+        return self.encode(x, key=key)
 
     @abc.abstractmethod
     def decode(self, e: Encoded, like: Any) -> Array:

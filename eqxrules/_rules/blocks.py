@@ -21,7 +21,7 @@ from .._axis_names import check_bound
 from .._catalogue import Domain, JVPRule
 from .._hyper import at_least, axis_index, hyperparameter, integer, one_of
 from .._inputs import check_axis, check_float_array
-from ._encoded import Encoded, LowPrecision, code_dtype
+from ._encoded import Encoded, LowPrecision, code_dtype, holds_nan
 from ._formats import (
     FORMATS,
     extremes,
@@ -249,7 +249,13 @@ def _scale_exponent(top: Array, fmt_name: str, rounding: str) -> Array:
 
 
 def pow2_encode(
-    x: Array, fmt_name: str, axis: int, size: int, rounding: str, bits: Array | None
+    x: Array,
+    fmt_name: str,
+    axis: int,
+    size: int,
+    rounding: str,
+    bits: Array | None,
+    nan_elements: bool = False,
 ) -> Encoded:
     r"""The parts of a power-of-two block scaling ([`MXQuantize`][]'s, with
     blocks of `size` along `axis`): codes and each block's exponent $k$, $X = 2^k$,
@@ -260,20 +266,46 @@ def pow2_encode(
     $\pm M$: under `"ceil"` every finite $\lvert b_i \rvert \le a \le M \cdot 2^k$
     already ($k$ is clipped at $-127$ only where $a < M \cdot 2^{-127}$, and
     never at the top, where $k \le 120$), and a block that is not finite is
-    masked."""
-    fmt = FORMATS[fmt_name]
+    masked.
+
+    With `nan_elements` (`LowPrecision.encode_operand`; codes whose dtype holds a
+    NaN), no block is tested: each NaN or infinite element is a NaN code, the
+    other elements of its block what the exponent of $a$ (an infinity, or what
+    a `max` left of a NaN) gives them, finite codes; every element of every
+    other block as without it."""
     b = _to_blocks(x.astype(_F32), axis, size)
-    top, finite = _block_peak(b, _within(axis, x.ndim))
-    k = _scale_exponent(top, fmt_name, rounding)
+    within = _within(axis, x.ndim)
     if bits is not None:
         bits = _to_blocks(bits, axis, size)
-    y = b * pow2(-k)
-    if rounding == "floor":  # `"ceil"` puts every finite |y| at most M: no clip
-        y = jnp.clip(y, -fmt.max, fmt.max)
-    q = round_with(fmt, y, bits)
+    if nan_elements:
+        top = jnp.max(jnp.abs(b), axis=within, keepdims=True, initial=0.0)
+        k = _scale_exponent(top, fmt_name, rounding)
+        q = _scaled_codes(b, k, fmt_name, rounding, bits)
+        return Encoded(_nan_elements(b, q), k)
+    top, finite = _block_peak(b, within)
+    k = _scale_exponent(top, fmt_name, rounding)
+    q = _scaled_codes(b, k, fmt_name, rounding, bits)
     # A block with a NaN or an infinity is NaN (the spec's NaN scale): its
     # exponent -128, outside the scales' range [-127, 127].
     return Encoded(jnp.where(finite, q, 0.0), jnp.where(finite, k, _NAN_BLOCK))
+
+
+def _nan_elements(b: Array, q: Array) -> Array:
+    """The codes `q`, NaN at each element of `b` that is NaN or infinite."""
+    return jnp.where(jnp.isfinite(b), q, jnp.nan)
+
+
+def _scaled_codes(
+    b: Array, k: Array, fmt_name: str, rounding: str, bits: Array | None
+) -> Array:
+    r"""The codes of blocks `b` at exponents `k`: $b_i / 2^k$ (clipped to $\pm M$
+    under the floor rule) rounded to the format, stochastically with `bits` (in
+    `b`'s layout) if given."""
+    fmt = FORMATS[fmt_name]
+    y = b * pow2(-k)
+    if rounding == "floor":  # `"ceil"` puts every finite |y| at most M: no clip
+        y = jnp.clip(y, -fmt.max, fmt.max)
+    return round_with(fmt, y, bits)
 
 
 def pow2_decode(e: Encoded, like: Any) -> Array:
@@ -388,6 +420,24 @@ class MXQuantize(_Encoding):
     def _encode(self, x: Array, bits: Array | None) -> Encoded:
         return pow2_encode(
             x, self.format, self.axis, self.block_size, self.scale_rounding, bits
+        )
+
+    def encode_operand(self, x: Array, *, key: PRNGKeyArray | None = None) -> Encoded:
+        """`encode`'s parts, but where the codes' dtype holds a NaN (every format
+        but E2M1) a NaN or infinite element is a NaN code and no block is tested
+        for one (`pow2_encode`'s `nan_elements`): a product that reads blocks
+        whole gives the same values (`LowPrecision.encode_operand`)."""
+        if not holds_nan(self.format):
+            return self.encode(x, key=key)
+        bits = _bits(self, x, key)
+        return pow2_encode(
+            x.astype(_F32),
+            self.format,
+            self.axis,
+            self.block_size,
+            self.scale_rounding,
+            bits,
+            nan_elements=True,
         )
 
     def decode(self, e: Encoded, like: Any) -> Array:
