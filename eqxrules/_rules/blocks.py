@@ -270,9 +270,9 @@ def pow2_encode(
 
     With `nan_elements` (`LowPrecision.encode_operand`; codes whose dtype holds a
     NaN), no block is tested: each NaN or infinite element is a NaN code, the
-    other elements of its block what the exponent of $a$ (an infinity, or what
-    a `max` left of a NaN) gives them, finite codes; every element of every
-    other block as without it."""
+    other elements of its block whatever the exponent of its $a$ (an infinity, a
+    NaN, or what a `max` left of a NaN) gives them; every element of every other
+    block as without it."""
     b = _to_blocks(x.astype(_F32), axis, size)
     within = _within(axis, x.ndim)
     if bits is not None:
