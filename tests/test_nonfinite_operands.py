@@ -137,7 +137,7 @@ def _ragged_failures(recipe, sizes) -> dict[str, int]:
     return out
 
 
-@pytest.mark.first_case_quick
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", list(ragged.SIZES))
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_ragged_products_with_nonfinite_operands(recipe, sizes):
@@ -164,6 +164,7 @@ def test_the_reference_has_nans_and_finite_outputs():
         assert nan.any() and not nan.all()
 
 
+@pytest.mark.first_case_quick
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"])
 def test_the_parts_differ_from_encode_only_at_nonfinite_blocks(fmt):
     """`encode_operand` against `encode`: the same codes and exponents in every
@@ -210,6 +211,7 @@ def test_planted_conv_weight_gradient_claimed_whole_is_caught(planted, conv_case
     assert set(failures) == {"dw"}
 
 
+@pytest.mark.slow
 def test_planted_input_gradient_in_feature_groups_claimed_whole_is_caught(
     planted, conv_cases
 ):
@@ -224,14 +226,23 @@ def test_planted_input_gradient_in_feature_groups_claimed_whole_is_caught(
     assert set(failures) == {"dx"}
 
 
+def _nan_only(b, q):
+    """The defect: a NaN element made a NaN code, an infinite one left a code."""
+    return jnp.where(jnp.isnan(b), jnp.nan, q)
+
+
 def test_planted_infinity_left_a_code_is_caught(planted):
-    planted.setattr(
-        blocks, "_nan_elements", lambda b, q: jnp.where(jnp.isnan(b), jnp.nan, q)
-    )
+    planted.setattr(blocks, "_nan_elements", _nan_only)
     assert dot_failures(RECIPES["mxfp8"], "matmul", KIND, jit=True) != {}
+
+
+@pytest.mark.slow
+def test_planted_infinity_left_a_code_is_caught_in_a_ragged_product(planted):
+    planted.setattr(blocks, "_nan_elements", _nan_only)
     assert _ragged_failures(RECIPES["mxfp8"], ragged.SIZES["uneven"]) != {}
 
 
+@pytest.mark.slow
 def test_planted_e2m1_marked_by_its_elements_is_caught(planted):
     """Its residual (the weight gradient's `a`, kept in `float4_e2m1fn`) loses the
     NaN codes."""
